@@ -1,0 +1,45 @@
+"""``xmod count``: total / activated parameters and forward FLOPs per token of a model."""
+from __future__ import annotations
+
+import json
+
+from megatron_xmod.accounting import count_model
+from megatron_xmod.layout import layout_from_model_name
+from megatron_xmod.presets import BACKBONES, get_backbone
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("count", help="parameters and FLOPs/token of a Dense / MoD / X-MoD model")
+    p.add_argument("--backbone", default="556m", help=f"one of {', '.join(BACKBONES)}")
+    p.add_argument("--model", action="append", default=None,
+                   help="dense, mod, xmod-a4k8, xmod-a3k16, xmod-a<A>k<K>, or a layout such as "
+                        "'D*4 + (S8*8 + D)*4'; repeat for a table (default: the paper's four)")
+    p.add_argument("--seq-len", type=int, default=32768)
+    p.add_argument("--dense-prefix", type=int, default=4, help="N0 for xmod-a<A>k<K> names")
+    p.add_argument("--json", action="store_true", help="one JSON object per model, one per line")
+    p.set_defaults(func=run)
+
+
+def _fmt(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def run(args) -> int:
+    backbone = get_backbone(args.backbone)
+    models = args.model or ["dense", "mod", "xmod-a4k8", "xmod-a3k16"]
+    rows = []
+    for model in models:
+        layout = layout_from_model_name(model, activated_depth=backbone.num_layers, dense_prefix=args.dense_prefix)
+        row = count_model(backbone, layout, args.seq_len).to_dict()
+        rows.append(dict(model=model, **row))
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    header = f"{'model':<12} {'layers':>6} {'N':>8} {'N_act':>8} {'FLOPs/tok':>10} {'phi/phi_D':>9} {'D/D_D':>6}  layout"
+    print(f"backbone {backbone.name}, L = {args.seq_len}")
+    print(header)
+    for r in rows:
+        print(f"{r['model']:<12} {r['num_layers']:>6} {_fmt(r['total_params']):>8} {_fmt(r['active_params']):>8} "
+              f"{r['flops_per_token']:>10.3g} {r['flops_ratio_vs_dense']:>9.3f} {r['tokens_ratio_vs_dense']:>6.2f}  {r['layout']}")
+    return 0

@@ -1,0 +1,319 @@
+"""Layer layouts: one small notation for every depth structure of the X-MoD paper.
+
+Grammar (whitespace is ignored)::
+
+    layout := term ('+' term)*
+    term   := atom ('*' INT)?
+    atom   := 'D' | 'S' INT | '(' layout ')'
+
+``D`` is a dense transformer layer, ``S<K>`` a sparse layer that processes the top 1/K of the
+tokens, ``*n`` repeats, ``+`` concatenates. Examples (seed 000):
+
+    Eq.(3)  generic X-MoD   D*4 + (S8*8 + D)*4            (N0=4, A=1, K=8, N1=4)
+            fractional A    D*4 + (S8*4 + D)*16           (A=0.5: A*K=4 sparse layers a block)
+    Eq.(34) MoD             D + (S8 + D)*24
+    Eq.(35) X-MoD A4K8      D*4 + (S8*24 + D) + (S8*32 + D)*4
+    Eq.(36) X-MoD A3K16     D*4 + (S16*48 + D)*6
+
+A layout expands to a per-layer list of :class:`LayerSpec`. A dense layer that directly follows a
+sparse layer is an *anchor*: it closes a sparse block, and the token-choice bias (Eq.8) is reset
+there. The block spec builder and the accounting both read this list, nothing else.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Optional
+
+ROUTING_FAMILIES = ("dense", "mod", "xmod")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    kind: str  # "dense" | "sparse" | "anchor"
+    sparsity_k: int = 1  # tokens routed = 1/sparsity_k of the sequence
+    block: int = -1  # index of the sparse block (sparse layers and the anchor that closes them)
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.kind == "sparse"
+
+    @property
+    def routed_fraction(self) -> Fraction:
+        return Fraction(1, self.sparsity_k)
+
+
+@dataclass(frozen=True)
+class Layout:
+    notation: str
+    layers: tuple[LayerSpec, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(layer.is_sparse for layer in self.layers)
+
+    @property
+    def activated_depth(self) -> Fraction:
+        """Layers a token passes through on average: dense layers count 1, sparse layers 1/K."""
+        return sum((layer.routed_fraction for layer in self.layers), Fraction(0))
+
+    def kinds(self) -> list[str]:
+        return [layer.kind for layer in self.layers]
+
+    def __str__(self) -> str:
+        return self.notation
+
+
+class LayoutError(ValueError):
+    pass
+
+
+_TOKEN = re.compile(r"\s*(?:(D)|S(\d+)|(\d+)|([()+*]))")
+
+
+def _tokenize(text: str) -> list[tuple[str, str]]:
+    tokens, pos = [], 0
+    text = text.strip()
+    while pos < len(text):
+        match = _TOKEN.match(text, pos)
+        if not match:
+            raise LayoutError(
+                f"layout: unexpected {text[pos:pos + 8]!r} at position {pos} in {text!r}; "
+                "allowed: 'D', 'S<K>', '*<n>', '+', parentheses"
+            )
+        dense, sparse_k, integer, punct = match.groups()
+        if dense:
+            tokens.append(("D", ""))
+        elif sparse_k is not None:
+            tokens.append(("S", sparse_k))
+        elif integer is not None:
+            tokens.append(("INT", integer))
+        else:
+            tokens.append((punct, ""))
+        pos = match.end()
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    return tokens
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.text = text
+        self.tokens = _tokenize(text)
+        self.pos = 0
+
+    def _peek(self) -> Optional[str]:
+        return self.tokens[self.pos][0] if self.pos < len(self.tokens) else None
+
+    def _take(self, kind: str) -> str:
+        if self._peek() != kind:
+            found = self._peek() or "end of layout"
+            raise LayoutError(f"layout: expected {kind!r} but found {found!r} in {self.text!r}")
+        value = self.tokens[self.pos][1]
+        self.pos += 1
+        return value
+
+    def parse(self) -> list[int]:
+        """Returns the expanded list of per-layer sparsity K (K=1 for a dense layer)."""
+        layers = self._layout()
+        if self._peek() is not None:
+            raise LayoutError(f"layout: trailing {self._peek()!r} in {self.text!r}")
+        return layers
+
+    def _layout(self) -> list[int]:
+        layers = self._term()
+        while self._peek() == "+":
+            self._take("+")
+            layers += self._term()
+        return layers
+
+    def _term(self) -> list[int]:
+        kind = self._peek()
+        if kind == "D":
+            self._take("D")
+            atom = [1]
+        elif kind == "S":
+            k = int(self._take("S"))
+            if k < 2:
+                raise LayoutError(f"layout: sparse layer S{k} needs K >= 2 (S1 would be a dense layer, write D)")
+            atom = [k]
+        elif kind == "(":
+            self._take("(")
+            atom = self._layout()
+            self._take(")")
+        else:
+            raise LayoutError(f"layout: expected 'D', 'S<K>' or '(' but found {kind or 'end of layout'!r} in {self.text!r}")
+        if self._peek() == "*":
+            self._take("*")
+            count = int(self._take("INT"))
+            if count < 1:
+                raise LayoutError(f"layout: repeat count must be >= 1, got *{count} in {self.text!r}")
+            atom = atom * count
+        return atom
+
+
+def parse_layout(text: str) -> Layout:
+    if not isinstance(text, str) or not text.strip():
+        raise LayoutError("layout: empty layout string; example: 'D*4 + (S8*8 + D)*4'")
+    per_layer_k = _Parser(text).parse()
+    layers, block, in_sparse_run = [], -1, False
+    for k in per_layer_k:
+        if k > 1:
+            if not in_sparse_run:
+                block += 1
+                in_sparse_run = True
+            layers.append(LayerSpec("sparse", k, block))
+        elif in_sparse_run:
+            layers.append(LayerSpec("anchor", 1, block))
+            in_sparse_run = False
+        else:
+            layers.append(LayerSpec("dense", 1, -1))
+    return Layout(" ".join(text.split()), tuple(layers))
+
+
+def _whole(value: Fraction | float, field: str, what: str) -> int:
+    value = Fraction(value).limit_denominator(10_000)
+    if value.denominator != 1:
+        raise LayoutError(f"{field}: {what} must be a whole number, got {float(value):g}")
+    return int(value)
+
+
+def xmod_notation(sparsity_k: int, anchor_stride: float, dense_prefix: int, activated_depth: int) -> str:
+    """Eq.(3): [Dense]*N0 + ([Sparse(K)]*AK + [Dense])*N1 with N1 = (depth - N0) / (1 + A)."""
+    sparse_per_block = _whole(Fraction(anchor_stride).limit_denominator(10_000) * sparsity_k,
+                              "anchor_stride", f"A*K (= {anchor_stride:g}*{sparsity_k}, sparse layers per block)")
+    num_blocks = _whole(Fraction(activated_depth - dense_prefix) / (1 + Fraction(anchor_stride).limit_denominator(10_000)),
+                        "anchor_stride",
+                        f"N1 = (activated_depth - dense_prefix)/(1 + A) = ({activated_depth} - {dense_prefix})/(1 + {anchor_stride:g})")
+    if num_blocks < 1:
+        raise LayoutError(f"dense_prefix: {dense_prefix} leaves no room for a sparse block in {activated_depth} activated layers")
+    prefix = [f"D*{dense_prefix}"] if dense_prefix > 1 else (["D"] if dense_prefix == 1 else [])
+    block = f"(S{sparsity_k}*{sparse_per_block} + D)" if sparse_per_block > 1 else f"(S{sparsity_k} + D)"
+    return " + ".join(prefix + [block + (f"*{num_blocks}" if num_blocks > 1 else "")])
+
+
+def mod_notation(sparsity_k: int, activated_depth: int, dense_prefix: Optional[int] = None) -> str:
+    """Eq.(1)/(34): ([Sparse(K)] + [Dense])*N after a dense prefix that fills the activated depth.
+
+    Each pair activates 1 + 1/K layers, so N is a multiple of K; the paper's 28-layer MoD with K=8
+    is D + (S8 + D)*24 (1 + 24 + 24/8 = 28).
+    """
+    groups = activated_depth // (sparsity_k + 1)
+    if dense_prefix is not None:
+        groups = (activated_depth - dense_prefix) // (sparsity_k + 1)
+    pairs = groups * sparsity_k
+    prefix = activated_depth - groups * (sparsity_k + 1)
+    if pairs < 1 or (dense_prefix is not None and prefix != dense_prefix):
+        raise LayoutError(
+            f"sparsity_k: MoD with K={sparsity_k} cannot fill {activated_depth} activated layers"
+            + (f" after a dense prefix of {dense_prefix}" if dense_prefix is not None else "")
+        )
+    head = [f"D*{prefix}"] if prefix > 1 else (["D"] if prefix == 1 else [])
+    return " + ".join(head + [f"(S{sparsity_k} + D)*{pairs}"])
+
+
+def resolve_layout(
+    routing_family: str,
+    num_layers: Optional[int] = None,
+    sparsity_k: Optional[int] = None,
+    anchor_stride: Optional[float] = None,
+    dense_prefix: Optional[int] = None,
+    layout: Optional[str] = None,
+    activated_depth: Optional[int] = None,
+) -> Layout:
+    """The single place that turns routing options into a layout, validating every field.
+
+    Either ``layout`` is given explicitly, or it is derived from the family and K/A/N0 for a
+    backbone of ``activated_depth`` layers. ``num_layers`` (physical layers, megatron's
+    ``num_layers``) must match the layout when given.
+    """
+    if routing_family not in ROUTING_FAMILIES:
+        raise LayoutError(f"routing_family: {routing_family!r} is not one of {', '.join(ROUTING_FAMILIES)}")
+    if sparsity_k is not None and (not isinstance(sparsity_k, int) or sparsity_k < 1):
+        raise LayoutError(f"sparsity_k: K must be an integer >= 1, got {sparsity_k!r}")
+    if anchor_stride is not None and not anchor_stride > 0:
+        raise LayoutError(f"anchor_stride: A must be > 0, got {anchor_stride!r}")
+    if dense_prefix is not None and (not isinstance(dense_prefix, int) or dense_prefix < 0):
+        raise LayoutError(f"dense_prefix: N0 must be an integer >= 0, got {dense_prefix!r}")
+    if activated_depth is not None and (not isinstance(activated_depth, int) or activated_depth < 1):
+        raise LayoutError(f"activated_depth: must be an integer >= 1, got {activated_depth!r}")
+
+    if layout is not None:
+        if any(v is not None for v in (anchor_stride, dense_prefix)):
+            raise LayoutError("layout: give either an explicit layout or anchor_stride/dense_prefix, not both")
+        resolved = parse_layout(layout)
+        sparse_ks = {layer.sparsity_k for layer in resolved.layers if layer.is_sparse}
+        if routing_family == "dense" and sparse_ks:
+            raise LayoutError(f"layout: routing_family 'dense' allows only D layers, got {layout!r}")
+        if routing_family != "dense" and not sparse_ks:
+            raise LayoutError(f"layout: routing_family {routing_family!r} needs at least one S<K> layer, got {layout!r}")
+        if sparsity_k is not None and sparse_ks - {sparsity_k}:
+            raise LayoutError(f"sparsity_k: {sparsity_k} disagrees with the layout's sparse layers S{sorted(sparse_ks)}")
+        if activated_depth is not None and resolved.activated_depth != activated_depth:
+            raise LayoutError(
+                f"layout: activates {float(resolved.activated_depth):g} layers per token, "
+                f"but activated_depth is {activated_depth}"
+            )
+    else:
+        depth = activated_depth if activated_depth is not None else num_layers
+        if depth is None:
+            raise LayoutError("activated_depth: needed to derive a layout (or give an explicit layout)")
+        if routing_family == "dense":
+            if sparsity_k not in (None, 1) or anchor_stride is not None:
+                raise LayoutError("sparsity_k: routing_family 'dense' takes no sparsity_k/anchor_stride")
+            notation = f"D*{depth}" if depth > 1 else "D"
+        elif sparsity_k is None or sparsity_k < 2:
+            raise LayoutError(f"sparsity_k: routing_family {routing_family!r} needs K >= 2, got {sparsity_k!r}")
+        elif routing_family == "mod":
+            if anchor_stride is not None:
+                raise LayoutError("anchor_stride: MoD alternates one sparse and one dense layer; A is an X-MoD option")
+            notation = mod_notation(sparsity_k, depth, dense_prefix)
+        else:
+            notation = xmod_notation(sparsity_k, 1.0 if anchor_stride is None else anchor_stride,
+                                     4 if dense_prefix is None else dense_prefix, depth)
+        resolved = parse_layout(notation)
+
+    if num_layers is not None and num_layers != resolved.num_layers:
+        raise LayoutError(
+            f"num_layers: {num_layers} does not match the layout {resolved.notation!r}, "
+            f"which has {resolved.num_layers} physical layers"
+        )
+    return resolved
+
+
+# The paper's named layouts (seed 000, Eq.34-36) for the 28-layer backbones of Table 4.
+NAMED_LAYOUTS = {
+    "dense": "D*28",
+    "mod": "D + (S8 + D)*24",
+    "xmod-a4k8": "D*4 + (S8*24 + D) + (S8*32 + D)*4",
+    "xmod-a3k16": "D*4 + (S16*48 + D)*6",
+}
+
+_XMOD_NAME = re.compile(r"^xmod-a(\d+(?:\.\d+)?)k(\d+)$")
+
+
+def layout_from_model_name(model: str, activated_depth: int = 28, dense_prefix: int = 4) -> Layout:
+    """``dense``, ``mod``, ``mod-k<K>``, ``xmod-a<A>k<K>`` or any layout notation."""
+    if model in NAMED_LAYOUTS and activated_depth == 28:
+        return parse_layout(NAMED_LAYOUTS[model])
+    if model == "dense":
+        return resolve_layout("dense", activated_depth=activated_depth)
+    if model == "mod":
+        return resolve_layout("mod", sparsity_k=8, activated_depth=activated_depth)
+    if model.startswith("mod-k") and model[5:].isdigit():
+        return resolve_layout("mod", sparsity_k=int(model[5:]), activated_depth=activated_depth)
+    match = _XMOD_NAME.match(model)
+    if match:
+        return resolve_layout("xmod", sparsity_k=int(match.group(2)), anchor_stride=float(match.group(1)),
+                              dense_prefix=dense_prefix, activated_depth=activated_depth)
+    if model[:1] in ("D", "S", "("):
+        return parse_layout(model)
+    raise LayoutError(
+        f"model: {model!r} is not one of dense, mod, mod-k<K>, xmod-a<A>k<K> (e.g. xmod-a4k8, xmod-a3k16), "
+        "or a layout such as 'D*4 + (S8*8 + D)*4'"
+    )

@@ -1,0 +1,20 @@
+"""Plain-torch routed-token permutation: the reference every faster backend is tested against.
+
+Layout is megatron's sequence-first ``[s, b, h]``. ``indices`` is ``[k, b]`` (int64), sorted
+ascending per column, so the gathered subsequence keeps the original token order (causality).
+"""
+import torch
+
+
+def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``[s, b, h]`` + ``[k, b]`` -> ``[k, b, h]``: the routed tokens of each sequence."""
+    return torch.gather(x, 0, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def scatter_gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Return ``x`` with ``x + gate * y`` written at ``indices``; every other token passes unchanged.
+
+    ``y``: ``[k, b, h]``, ``gate``: ``[k, b]``. Indices must be unique per sequence.
+    """
+    index = indices.unsqueeze(-1).expand(-1, -1, x.shape[-1])
+    return x.scatter_add(0, index, gate.unsqueeze(-1).to(y.dtype) * y)
