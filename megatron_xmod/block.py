@@ -1,0 +1,93 @@
+"""Decoder block spec for Dense / MoD / X-MoD GPT models, sliced per pipeline stage like megatron's
+``get_gpt_decoder_block_spec``: one layer spec per entry of ``config.layer_layout``."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    LNImpl,
+    get_gpt_layer_local_submodules,
+    get_gpt_layer_with_transformer_engine_submodules,
+)
+from megatron.core.transformer.enums import LayerType
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules, get_transformer_layer_offset
+
+from megatron_xmod.attention import SDPAttention
+from megatron_xmod.config import XModConfig
+from megatron_xmod.layers import TokenChoiceBiasCarry, XModSparseLayer
+
+
+def transformer_engine_available() -> bool:
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return HAVE_TE
+
+
+def get_layer_submodules(config: XModConfig, use_transformer_engine: bool) -> TransformerLayerSubmodules:
+    """The submodules every layer (dense or sparse) is built from: megatron's own GPT layer."""
+    if use_transformer_engine:
+        return get_gpt_layer_with_transformer_engine_submodules(qk_layernorm=config.qk_layernorm)
+    submodules = get_gpt_layer_local_submodules(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    attention = submodules.self_attention
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=SDPAttention)
+    )
+    return dataclasses.replace(submodules, self_attention=attention)
+
+
+def get_xmod_decoder_layer_specs(config: XModConfig, use_transformer_engine: bool) -> list[ModuleSpec]:
+    submodules = get_layer_submodules(config, use_transformer_engine)
+    # One carry per built block: the sparse layers of this model chunk hand b along through it.
+    bias_carry = TokenChoiceBiasCarry()
+    specs = []
+    for layer in config.layer_layout.layers:
+        if layer.is_sparse:
+            params = dict(sparsity_k=layer.sparsity_k, routing_family=config.xmod_routing_family, bias_carry=bias_carry)
+            specs.append(ModuleSpec(module=XModSparseLayer, params=params, submodules=submodules))
+        else:
+            specs.append(ModuleSpec(module=TransformerLayer, submodules=submodules))
+    return specs
+
+
+def get_xmod_decoder_block_spec(
+    config: XModConfig,
+    use_transformer_engine: Optional[bool] = None,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> TransformerBlockSubmodules:
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available() and config.transformer_impl == "transformer_engine"
+    layer_specs = get_xmod_decoder_layer_specs(config, use_transformer_engine)
+    if config.pipeline_model_parallel_layout is not None:
+        layer_ids = config.pipeline_model_parallel_layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
+        )
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        layer_ids = list(range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)))
+    _check_stage_boundary(config, layer_ids)
+    if use_transformer_engine:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        layer_norm = TENorm
+    else:
+        layer_norm = LNImpl
+    return TransformerBlockSubmodules(layer_specs=[layer_specs[i] for i in layer_ids], layer_norm=layer_norm)
+
+
+def _check_stage_boundary(config: XModConfig, layer_ids: list[int]) -> None:
+    """The token-choice bias travels between layers inside one stage only: refuse a pipeline split
+    that starts this stage in the middle of a sparse block while the bias is in use."""
+    if not layer_ids or config.xmod_token_choice_bias_tau == 0:
+        return
+    layers = config.layer_layout.layers
+    first = layer_ids[0]
+    if first > 0 and layers[first].is_sparse and layers[first - 1].is_sparse:
+        raise ValueError(
+            f"pipeline_model_parallel_layout/num_layers_in_first_pipeline_stage: the stage starting at layer "
+            f"{first + 1} splits sparse block {layers[first].block}, and the token-choice bias cannot cross "
+            f"pipeline stages; move the boundary onto a dense anchor or set xmod_token_choice_bias_tau=0"
+        )

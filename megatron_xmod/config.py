@@ -1,0 +1,116 @@
+"""X-MoD / MoD options on top of megatron's ``TransformerConfig``: the single source of truth.
+
+Everything that shapes the routed model is a field here; :attr:`XModConfig.layer_layout` is the
+resolved per-layer list that the block spec and the accounting read.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_xmod.layout import Layout, resolve_layout
+
+EVAL_ROUTING_RULES = ("threshold", "topk")
+
+
+@dataclass
+class XModConfig(TransformerConfig):
+    xmod_routing_family: str = "dense"
+    """dense | mod | xmod."""
+
+    xmod_sparsity_k: Optional[int] = None
+    """K: a sparse layer processes the top 1/K of each sequence's tokens."""
+
+    xmod_anchor_stride: Optional[float] = None
+    """A: sparse updates per token between two dense anchors (A*K sparse layers a block); may be
+    fractional (0.5) as long as A*K is whole. X-MoD only; default 1."""
+
+    xmod_dense_prefix: Optional[int] = None
+    """N0: dense layers before the first sparse block. X-MoD default 4 (the paper's main setting)."""
+
+    xmod_layout: Optional[str] = None
+    """Explicit layout in the notation of :mod:`megatron_xmod.layout` (overrides K/A/N0)."""
+
+    xmod_activated_depth: Optional[int] = None
+    """Activated-equivalent depth the derived layout must reach (28 for the Table 4 backbones).
+    Defaults to ``num_layers`` for dense models."""
+
+    xmod_token_choice_bias_tau: float = 0.5
+    """tau of Eq.(8). The paper gives no value. b counts a token's selections in the current block
+    (increment 1), so tau is in logit units per prior selection: 0.5 moves a token sitting just
+    above the 0.5 threshold back onto it after one selection (enough to hand ties to tokens not yet
+    refined), while a confidently routed token (|s| >~ 2) stays routed: it discourages repeats
+    without forcing uniform routing, which is what the paper asks of it."""
+
+    xmod_token_choice_bias_increment: float = 1.0
+    """Added to b_i each time token i is selected (Eq.8). 1 makes b a selection count; only
+    tau * increment matters, so tune tau and keep this at 1."""
+
+    xmod_router_bce_coeff: float = 1e-4
+    """Coefficient of the router BCE loss (Eq.9); the paper's sweep chose 1e-4."""
+
+    xmod_gate_scale_init: float = 1.0
+    """Initial value of the learnable per-layer gate scale varsigma (Eq.7). 1 keeps the sparse layer
+    an ordinary residual layer gated by r at initialisation; megatron's output-layer init already
+    scales each branch by the physical depth."""
+
+    xmod_eval_routing: str = "threshold"
+    """Routing rule in eval mode: threshold (deployable, causal) or topk (for comparison)."""
+
+    layer_layout: Optional[Layout] = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_xmod()
+
+    def _validate_xmod(self) -> None:
+        family = self.xmod_routing_family
+        activated = self.xmod_activated_depth
+        if activated is None and family == "dense":
+            activated = self.num_layers
+        self.layer_layout = resolve_layout(
+            family,
+            num_layers=self.num_layers,
+            sparsity_k=self.xmod_sparsity_k,
+            anchor_stride=self.xmod_anchor_stride,
+            dense_prefix=self.xmod_dense_prefix,
+            layout=self.xmod_layout,
+            activated_depth=activated,
+        )
+        for name in ("xmod_token_choice_bias_tau", "xmod_token_choice_bias_increment", "xmod_router_bce_coeff"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+        if not (math.isfinite(self.xmod_gate_scale_init) and self.xmod_gate_scale_init > 0):
+            raise ValueError(
+                f"xmod_gate_scale_init: must be > 0 (0 would cut the gradient of the router and of the "
+                f"layer), got {self.xmod_gate_scale_init!r}"
+            )
+        if self.xmod_eval_routing not in EVAL_ROUTING_RULES:
+            raise ValueError(f"xmod_eval_routing: {self.xmod_eval_routing!r} is not one of {', '.join(EVAL_ROUTING_RULES)}")
+        if family == "mod" and self.xmod_anchor_stride is not None:
+            raise ValueError("xmod_anchor_stride: MoD has no anchor stride (it alternates sparse and dense)")
+        if self.layer_layout.num_sparse_layers == 0:
+            return
+        # Routing needs every token of a sequence on this rank to rank them (top-k over L).
+        if self.sequence_parallel:
+            raise ValueError("sequence_parallel: routed layers rank tokens over the whole sequence; set sequence_parallel=False")
+        if self.context_parallel_size > 1:
+            raise ValueError(
+                f"context_parallel_size: routed layers rank tokens over the whole sequence; must be 1, got {self.context_parallel_size}"
+            )
+        if self.apply_rope_fusion:
+            raise ValueError(
+                "apply_rope_fusion: routed layers apply RoPE at per-sequence gathered positions, which the "
+                "fused kernel does not support; set apply_rope_fusion=False (--no-rope-fusion)"
+            )
+        if self.recompute_granularity == "full" and self.xmod_token_choice_bias_tau > 0:
+            raise ValueError(
+                "recompute_granularity: 'full' replays layers out of order, but the token-choice bias is "
+                "carried from layer to layer; use 'selective' or set xmod_token_choice_bias_tau=0"
+            )
+        if self.num_moe_experts is not None:
+            raise ValueError("num_moe_experts: MoE feed-forward inside routed layers is not supported")

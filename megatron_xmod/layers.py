@@ -1,0 +1,171 @@
+"""Sparse (routed) transformer layers for MoD (Eq.6) and X-MoD (Eq.7) as megatron TransformerLayers.
+
+A sparse layer is a standard megatron ``TransformerLayer`` (same submodules, same specs, same
+checkpoint keys) plus a d->1 router and, for X-MoD, the learnable gate scale varsigma. Its forward
+gathers the routed tokens with their original positions, runs the layer's own attention (causal
+among routed tokens only, RoPE at the real positions) and MLP on that subsequence, and scatters the
+gated update back; every other token passes through bit-identical.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_xmod import metrics
+from megatron_xmod.permute import gather_tokens, scatter_gated
+from megatron_xmod.routing import jaccard_tensor, route, router_bce_loss, update_token_choice_bias
+
+
+class TokenChoiceBiasCarry:
+    """Hands the token-choice bias b (Eq.8) from one sparse layer to the next within a forward pass.
+
+    One object is shared by all sparse layers built from one block spec. A layer takes the carried
+    bias only from the layer directly before it (layer_number - 1): consecutive sparse layers of a
+    block are adjacent, so an anchor in between, or the start of the next forward pass, resets b.
+    """
+
+    def __init__(self):
+        self.layer_number: Optional[int] = None
+        self.bias: Optional[torch.Tensor] = None
+        self.selected: Optional[torch.Tensor] = None
+
+    def take(self, layer_number: int, shape: tuple[int, ...]):
+        if self.layer_number == layer_number - 1 and self.bias is not None and tuple(self.bias.shape) == shape:
+            return self.bias, self.selected
+        return None, None
+
+    def put(self, layer_number: int, bias: torch.Tensor, selected: torch.Tensor) -> None:
+        self.layer_number, self.bias, self.selected = layer_number, bias, selected
+
+
+def _num_microbatches() -> int:
+    from megatron.core import num_microbatches_calculator as calculator
+
+    if calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
+        return 1
+    return calculator.get_num_microbatches()
+
+
+class RouterLossAutoScaler(torch.autograd.Function):
+    """Attach the router BCE loss to the layer output so that it is back-propagated with the LM loss.
+
+    megatron's MoEAuxLossAutoScaler gets its scale from the pipeline schedule only for MoE models;
+    this one derives the same scale itself (fp16 loss scale, / number of micro-batches unless
+    losses are per token), so the layer works unchanged inside any megatron training loop.
+    """
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, config) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.config = config
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        config = ctx.config
+        scale = torch.ones_like(aux_loss)
+        if config.grad_scale_func is not None:
+            scale = config.grad_scale_func(scale)
+        if not config.calculate_per_token_loss:
+            scale = scale / _num_microbatches()
+        return grad_output, scale, None
+
+
+def _gather_positions(rotary_pos_emb, indices: torch.Tensor):
+    """RoPE frequencies ``[s, 1, 1, d]`` -> per-sequence ``[k, b, 1, d]`` at the routed positions."""
+    if rotary_pos_emb is None:
+        return None
+    if isinstance(rotary_pos_emb, tuple):
+        return tuple(_gather_positions(freqs, indices) for freqs in rotary_pos_emb)
+    return rotary_pos_emb[:, 0, 0][indices].unsqueeze(2)
+
+
+class XModSparseLayer(TransformerLayer):
+    def __init__(self, config, submodules, layer_number: int = 1, *, sparsity_k: int, routing_family: str,
+                 bias_carry: Optional[TokenChoiceBiasCarry] = None, **kwargs):
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
+        if routing_family not in ("mod", "xmod"):
+            raise ValueError(f"routing_family: sparse layers are 'mod' or 'xmod', got {routing_family!r}")
+        self.sparsity_k = sparsity_k
+        self.routing_family = routing_family
+        self.bias_carry = bias_carry if bias_carry is not None else TokenChoiceBiasCarry()
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.router = torch.nn.Linear(config.hidden_size, 1, bias=True, device=device, dtype=config.params_dtype)
+        with torch.no_grad():
+            if config.perform_initialization:
+                config.init_method(self.router.weight)
+            self.router.bias.zero_()
+        if routing_family == "xmod":
+            self.gate_scale = torch.nn.Parameter(
+                torch.full((1,), float(config.xmod_gate_scale_init), device=device, dtype=config.params_dtype)
+            )
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None, context_mask=None,
+                rotary_pos_emb=None, inference_context=None, packed_seq_params=None, **unused):
+        if inference_context is not None or packed_seq_params is not None:
+            raise ValueError("inference_context/packed_seq_params: not supported by routed layers; "
+                             "use the Hugging Face export for generation")
+        config = self.config
+        seq_len, batch = hidden_states.shape[:2]
+        logits = self.router(hidden_states).squeeze(-1).float()  # [s, b]
+        carried_bias, previous_selected = self.bias_carry.take(self.layer_number, (seq_len, batch))
+        rule = "topk" if self.training else config.xmod_eval_routing
+        decision = route(logits, self.sparsity_k, rule, carried_bias, config.xmod_token_choice_bias_tau)
+        bias = update_token_choice_bias(carried_bias, decision.selected, config.xmod_token_choice_bias_increment)
+        self.bias_carry.put(self.layer_number, bias, decision.selected)
+        self._record_metrics(decision, bias, previous_selected)
+
+        if decision.topk_indices is not None:
+            output = self._routed_update(hidden_states, decision.topk_indices, decision.scores, rotary_pos_emb)
+        else:
+            # Threshold routing selects a different number of tokens per sequence; route each one on
+            # its own rather than pad, so no sequence ever attends to another's padding.
+            columns = []
+            for j in range(batch):
+                indices = decision.selected[:, j].nonzero()  # [k_j, 1], ascending positions
+                x = hidden_states[:, j : j + 1]
+                columns.append(x if indices.numel() == 0 else
+                               self._routed_update(x, indices, decision.scores[:, j : j + 1], rotary_pos_emb))
+            output = torch.cat(columns, dim=1)
+
+        if self.training and config.xmod_router_bce_coeff > 0:
+            bce = router_bce_loss(decision.scores, decision.selected)
+            metrics.record("router_bce_loss", self.layer_number, bce)
+            output = RouterLossAutoScaler.apply(output, config.xmod_router_bce_coeff * bce, config)
+        return output, context
+
+    def _routed_update(self, hidden_states, indices, scores, rotary_pos_emb):
+        routed = gather_tokens(hidden_states, indices)
+        attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices))
+        r = torch.sigmoid(torch.gather(scores, 0, indices)).to(hidden_states.dtype)  # [k, b]
+        if self.routing_family == "xmod":  # Eq.(7): x + varsigma * r * (a + f)
+            return scatter_gated(hidden_states, attention + mlp, self.gate_scale * r, indices)
+        # Eq.(6), MoD: x + a + r * f
+        return scatter_gated(hidden_states, attention + r.unsqueeze(-1) * mlp, torch.ones_like(r), indices)
+
+    def _attention_and_mlp(self, x, rotary_pos_emb):
+        """The attention update a and MLP update f of this layer on the routed subsequence x."""
+        normed = self.input_layernorm(x)
+        normed = normed[0] if isinstance(normed, tuple) else normed
+        attention, attention_bias = self.self_attention(normed, attention_mask=None, rotary_pos_emb=rotary_pos_emb)
+        attention = self._dropout(attention, attention_bias)
+        normed = self.pre_mlp_layernorm(x + attention)
+        normed = normed[0] if isinstance(normed, tuple) else normed
+        mlp, mlp_bias = self.mlp(normed)
+        return attention, self._dropout(mlp, mlp_bias)
+
+    def _dropout(self, output, bias):
+        if bias is not None:
+            output = output + bias
+        return F.dropout(output, p=self.hidden_dropout, training=self.training)
+
+    def _record_metrics(self, decision, bias, previous_selected) -> None:
+        selected = decision.selected
+        metrics.record("selected_fraction", self.layer_number, selected.float().mean())
+        metrics.record("coverage", self.layer_number, (bias > 0).float().mean())
+        if previous_selected is not None:
+            metrics.record("adjacent_jaccard", self.layer_number, jaccard_tensor(previous_selected, selected))

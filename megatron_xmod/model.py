@@ -1,0 +1,89 @@
+"""Dense / MoD / X-MoD GPT models: megatron-core ``GPTModel`` with the X-MoD decoder block spec."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+
+from megatron_xmod.block import get_xmod_decoder_block_spec
+from megatron_xmod.config import EVAL_ROUTING_RULES, XModConfig
+from megatron_xmod.layers import XModSparseLayer
+from megatron_xmod.layout import Layout, layout_from_model_name
+from megatron_xmod.presets import Backbone
+
+
+def routing_family_of(layout: Layout, model: str) -> str:
+    if layout.num_sparse_layers == 0:
+        return "dense"
+    return "mod" if model == "mod" or model.startswith("mod-") else "xmod"
+
+
+def config_from_backbone(backbone: Backbone, model: str = "dense", dense_prefix: int = 4, **overrides) -> XModConfig:
+    """An :class:`XModConfig` for a Table 4 backbone and a model name or layout (see ``xmod count``).
+
+    ``overrides`` are any TransformerConfig / XModConfig fields (e.g. ``params_dtype``, ``bf16``,
+    ``tensor_model_parallel_size``, ``xmod_token_choice_bias_tau``).
+    """
+    layout = layout_from_model_name(model, activated_depth=backbone.num_layers, dense_prefix=dense_prefix)
+    fields = dict(
+        num_layers=layout.num_layers,
+        hidden_size=backbone.hidden_size,
+        num_attention_heads=backbone.num_attention_heads,
+        num_query_groups=backbone.num_query_groups,
+        kv_channels=backbone.head_dim,
+        ffn_hidden_size=backbone.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        gated_linear_unit=True,  # SwiGLU
+        activation_func=F.silu,
+        add_bias_linear=False,
+        qk_layernorm=backbone.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        xmod_routing_family=routing_family_of(layout, model),
+        xmod_layout=layout.notation,
+        xmod_activated_depth=None,
+    )
+    fields.update(overrides)
+    return XModConfig(**fields)
+
+
+def build_gpt_model(
+    config: XModConfig,
+    vocab_size: int,
+    max_sequence_length: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    rotary_base: int = 1_000_000,
+    vp_stage: Optional[int] = None,
+    pg_collection=None,
+    use_transformer_engine: Optional[bool] = None,
+) -> GPTModel:
+    """Untied embeddings and RoPE, as in every model of the paper."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_xmod_decoder_block_spec(config, use_transformer_engine, vp_stage=vp_stage),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=rotary_base,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
+def sparse_layers(model: torch.nn.Module) -> list[XModSparseLayer]:
+    return [m for m in model.modules() if isinstance(m, XModSparseLayer)]
+
+
+def set_eval_routing(model: torch.nn.Module, rule: str) -> None:
+    """Switch the eval-mode routing rule (threshold | topk) of ``model``'s sparse layers."""
+    if rule not in EVAL_ROUTING_RULES:
+        raise ValueError(f"rule: {rule!r} is not one of {', '.join(EVAL_ROUTING_RULES)}")
+    for layer in sparse_layers(model):
+        layer.config.xmod_eval_routing = rule

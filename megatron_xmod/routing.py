@@ -1,0 +1,100 @@
+"""The routing rules of MoD / X-MoD, in one place, in plain torch (seed 000, Eq.(6)-(9)).
+
+Reused by the megatron layers, the HF export, the diagnostics and the tests. Shapes follow
+megatron: scores are ``[s, b]`` (sequence first).
+
+- training: per-sequence top-k with k = L/K exactly; indices sorted by position so that causal
+  attention among the routed tokens stays causal (Raposo et al.; X-MoD keeps this);
+- evaluation: the causal threshold rule sigma(s - tau*b) >= 0.5, i.e. s - tau*b >= 0, which
+  depends on nothing but the token's own state (deployable autoregressively);
+- token-choice bias b (Eq.8): carried across the consecutive sparse layers of a block, raised by
+  ``increment`` whenever a token is selected, reset at the dense anchor;
+- router BCE (Eq.9) between the threshold prediction and the top-k choice.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def adjusted_logits(logits: torch.Tensor, token_choice_bias: Optional[torch.Tensor], tau: float) -> torch.Tensor:
+    """s - tau * b (Eq.8, inside the sigmoid). ``token_choice_bias`` None means b = 0."""
+    if token_choice_bias is None or tau == 0:
+        return logits
+    return logits - tau * token_choice_bias
+
+
+def topk_count(seq_len: int, sparsity_k: int) -> int:
+    """k = L/K exactly: the training capacity is a whole fraction of the sequence."""
+    if seq_len % sparsity_k:
+        raise ValueError(
+            f"seq_length: top-k routing needs the sequence length ({seq_len}) to be divisible by "
+            f"sparsity K ({sparsity_k}) so that exactly L/K tokens are routed"
+        )
+    return seq_len // sparsity_k
+
+
+def select_topk(scores: torch.Tensor, sparsity_k: int) -> torch.Tensor:
+    """Indices ``[k, b]`` of the top L/K scores of each sequence, sorted by position."""
+    k = topk_count(scores.shape[0], sparsity_k)
+    indices = torch.topk(scores.detach(), k, dim=0, sorted=False).indices
+    return torch.sort(indices, dim=0).values
+
+
+def select_threshold(scores: torch.Tensor) -> torch.Tensor:
+    """Boolean mask ``[s, b]``: sigmoid(score) >= 0.5."""
+    return scores.detach() >= 0
+
+
+def indices_to_mask(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
+    mask = torch.zeros(seq_len, indices.shape[1], dtype=torch.bool, device=indices.device)
+    return mask.scatter_(0, indices, True)
+
+
+def update_token_choice_bias(
+    token_choice_bias: Optional[torch.Tensor], selected: torch.Tensor, increment: float
+) -> torch.Tensor:
+    """b_i += increment for every selected token (Eq.8)."""
+    step = selected.to(torch.float32) * increment
+    return step if token_choice_bias is None else token_choice_bias + step
+
+
+def router_bce_loss(scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """Eq.(9): BCE between p = sigmoid(score) and the top-k choice q, averaged over all tokens.
+
+    ``scores`` are the bias-adjusted logits: the threshold rule used at evaluation thresholds
+    exactly these, so this is the prediction that must agree with top-k (with tau = 0 it is
+    Eq.(9) verbatim, p_i = sigmoid(s_i)).
+    """
+    return F.binary_cross_entropy_with_logits(scores.float(), selected.to(torch.float32))
+
+
+class RoutingDecision(NamedTuple):
+    selected: torch.Tensor  # [s, b] bool
+    scores: torch.Tensor  # [s, b] bias-adjusted router logits (differentiable)
+    topk_indices: Optional[torch.Tensor]  # [k, b] sorted positions when routed by top-k
+
+
+def route(
+    logits: torch.Tensor,
+    sparsity_k: int,
+    rule: str,
+    token_choice_bias: Optional[torch.Tensor] = None,
+    tau: float = 0.0,
+) -> RoutingDecision:
+    """Route one sparse layer: ``rule`` is "topk" (training) or "threshold" (evaluation)."""
+    scores = adjusted_logits(logits, token_choice_bias, tau)
+    if rule == "topk":
+        indices = select_topk(scores, sparsity_k)
+        return RoutingDecision(indices_to_mask(indices, scores.shape[0]), scores, indices)
+    if rule == "threshold":
+        return RoutingDecision(select_threshold(scores), scores, None)
+    raise ValueError(f"rule: {rule!r} is not one of topk, threshold")
+
+
+def jaccard_tensor(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a & b| / |a | b| of two routed-token masks (adjacent-layer overlap, Table 10); 1 if both empty."""
+    union = (a | b).sum()
+    return torch.where(union > 0, (a & b).sum() / union.clamp(min=1), torch.ones((), device=a.device))
