@@ -1,4 +1,16 @@
-"""Routed-token permutation ops (gather the routed tokens, scatter the gated update back)."""
-from megatron_xmod.permute.reference import gather_tokens, scatter_gated
+"""Routed-token permutation ops (gather the routed tokens, scatter the gated update back).
 
-__all__ = ["gather_tokens", "scatter_gated"]
+``gather_tokens`` and ``scatter_gated`` dispatch to the fastest available backend (CUDA
+extension, Triton, plain torch); see :mod:`megatron_xmod.permute.dispatch`. The plain-torch
+definitions that every backend is tested against are in :mod:`megatron_xmod.permute.reference`.
+"""
+from megatron_xmod.permute.dispatch import (
+    BACKENDS,
+    ENV_BACKEND,
+    gather_tokens,
+    scatter_gated,
+    selected_backend,
+    set_backend,
+)
+
+__all__ = ["gather_tokens", "scatter_gated", "set_backend", "selected_backend", "BACKENDS", "ENV_BACKEND"]
