@@ -1,0 +1,35 @@
+"""Shared fixtures: one gloo process group and megatron's model-parallel state, on CPU."""
+import os
+
+import pytest
+import torch
+
+from megatron_xmod import cpu_compat
+
+cpu_compat.install(training=False)
+
+
+@pytest.fixture(scope="session")
+def megatron_parallel():
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    yield parallel_state
+
+
+@pytest.fixture
+def seeded(megatron_parallel):
+    """Seed torch and megatron's model-parallel RNG tracker identically for every test."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    from megatron_xmod import metrics
+
+    metrics.reset()
+    yield

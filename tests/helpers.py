@@ -1,0 +1,22 @@
+"""Small builders shared by the tests (tiny backbones so that CPU runs take seconds)."""
+import torch
+
+from megatron_xmod.model import build_gpt_model, config_from_backbone
+from megatron_xmod.presets import Backbone
+
+TINY = Backbone("tiny", hidden_size=64, head_dim=16, num_attention_heads=4, num_query_groups=2,
+                ffn_hidden_size=128, num_layers=4, vocab_size=256, rotary_base=10000)
+
+
+def tiny_model(layout: str, vocab_size: int = 256, seq_len: int = 64, **overrides):
+    """``overrides`` go to the config, e.g. xmod_routing_family="mod", xmod_token_choice_bias_tau=0."""
+    config = config_from_backbone(TINY, layout, use_cpu_initialization=True, **overrides)
+    return build_gpt_model(config, vocab_size, seq_len, rotary_base=TINY.rotary_base), config
+
+
+def english_bytes() -> torch.Tensor:
+    """Real English prose that ships with Python itself (stdlib docstrings), as byte tokens."""
+    import argparse, collections, csv, difflib, email, json, logging, pathlib, subprocess, threading
+    text = "\n\n".join(m.__doc__ for m in (argparse, collections, csv, difflib, email, json, logging,
+                                            pathlib, subprocess, threading) if m.__doc__)
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)

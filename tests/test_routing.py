@@ -1,0 +1,60 @@
+"""The routing rules (Eq.8, Eq.9, top-k in training, causal threshold in evaluation)."""
+import torch
+import torch.nn.functional as F
+import pytest
+
+from megatron_xmod.routing import (jaccard_tensor, route, router_bce_loss, select_topk, topk_count,
+                                   update_token_choice_bias)
+
+
+def test_topk_selects_exactly_l_over_k_in_position_order():
+    torch.manual_seed(0)
+    scores = torch.randn(64, 3)
+    for k in (2, 4, 8, 64):
+        indices = select_topk(scores, k)
+        assert indices.shape == (64 // k, 3)
+        assert torch.all(indices[1:] > indices[:-1])  # sorted, unique: causal order kept
+        for column in range(3):  # they are the top scores of that sequence
+            chosen = set(indices[:, column].tolist())
+            expected = set(torch.argsort(scores[:, column], descending=True)[: 64 // k].tolist())
+            assert chosen == expected
+
+
+def test_topk_needs_whole_capacity():
+    with pytest.raises(ValueError, match="seq_length"):
+        topk_count(10, 4)
+
+
+def test_threshold_is_sigmoid_half_of_bias_adjusted_score():
+    logits = torch.tensor([[2.0], [0.4], [-0.1], [0.0]])
+    bias = torch.tensor([[1.0], [1.0], [0.0], [0.0]])
+    decision = route(logits, 4, "threshold", bias, tau=0.5)
+    expected = torch.sigmoid(logits - 0.5 * bias) >= 0.5
+    assert torch.equal(decision.selected, expected)
+    assert decision.selected[:, 0].tolist() == [True, False, False, True]
+
+
+def test_token_choice_bias_accumulates_and_lowers_scores():
+    selected = torch.tensor([[True], [False], [True]])
+    bias = update_token_choice_bias(None, selected, increment=1.0)
+    bias = update_token_choice_bias(bias, torch.tensor([[True], [True], [False]]), increment=1.0)
+    assert bias[:, 0].tolist() == [2.0, 1.0, 1.0]
+    logits = torch.zeros(3, 1)
+    assert torch.equal(route(logits, 3, "topk", bias, tau=0.5).scores, -0.5 * bias)
+
+
+def test_bce_matches_eq9_by_hand():
+    scores = torch.tensor([[1.5, -0.3], [0.2, 2.0]])
+    selected = torch.tensor([[True, False], [False, True]])
+    p = torch.sigmoid(scores)
+    q = selected.float()
+    by_hand = -(q * torch.log(p) + (1 - q) * torch.log(1 - p)).mean()
+    assert torch.allclose(router_bce_loss(scores, selected), by_hand)
+    assert torch.allclose(router_bce_loss(scores, selected), F.binary_cross_entropy(p, q))
+
+
+def test_jaccard():
+    a = torch.tensor([True, True, False, False])
+    b = torch.tensor([True, False, True, False])
+    assert jaccard_tensor(a, b).item() == pytest.approx(1 / 3)
+    assert jaccard_tensor(a & False, b & False).item() == 1.0
