@@ -62,7 +62,8 @@ def _expand_kernel(x_ptr, y_ptr, gate_ptr, idx_ptr, out_ptr, s, k, b, h,
         hi = tl.where(left, mid, hi)
     j = lo
     jc = tl.where(j < k, j, 0)
-    routed = (j < k) & (tl.load(idx_ptr + jc * b + c) == t)
+    # Masked: with k == 0 the index tensor has no element to read at all.
+    routed = tl.load(idx_ptr + jc * b + c, mask=j < k, other=-1) == t
     yrow = jc * b + c
     if HAS_GATE:
         g = tl.load(gate_ptr + yrow, mask=routed, other=0.0).to(tl.float32)
