@@ -135,6 +135,7 @@ class XModSparseLayer(TransformerLayer):
         if self.training and config.xmod_router_bce_coeff > 0:
             bce = router_bce_loss(decision.scores, decision.selected)
             metrics.record("router_bce_loss", self.layer_number, bce)
+            metrics.add_microbatch_loss(bce)
             output = RouterLossAutoScaler.apply(output, config.xmod_router_bce_coeff * bce, config)
         return output, context
 
@@ -164,8 +165,9 @@ class XModSparseLayer(TransformerLayer):
         return F.dropout(output, p=self.hidden_dropout, training=self.training)
 
     def _record_metrics(self, decision, bias, previous_selected) -> None:
+        prefix = "" if self.training else "eval_"  # eval_*: the deployable (threshold) rule at validation
         selected = decision.selected
-        metrics.record("selected_fraction", self.layer_number, selected.float().mean())
-        metrics.record("coverage", self.layer_number, (bias > 0).float().mean())
+        metrics.record(prefix + "selected_fraction", self.layer_number, selected.float().mean())
+        metrics.record(prefix + "coverage", self.layer_number, (bias > 0).float().mean())
         if previous_selected is not None:
-            metrics.record("adjacent_jaccard", self.layer_number, jaccard_tensor(previous_selected, selected))
+            metrics.record(prefix + "adjacent_jaccard", self.layer_number, jaccard_tensor(previous_selected, selected))

@@ -1,16 +1,23 @@
 """Per-layer routing metrics collected during forward passes (no host sync until report time).
 
-Sparse layers call :func:`record`; the training loop calls :func:`report` once per log interval.
-Values are summed over micro-batches and averaged at report time.
+Sparse layers call :func:`record` (interval statistics) and :func:`add_microbatch_loss` (the
+router BCE of the current micro-batch, for the loss dictionary). The training loop calls
+:func:`report` once per log interval; it averages over micro-batches and, when given a process
+group, over ranks (pipeline stages contribute their own layers, data-parallel replicas average).
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Optional
 
 import torch
 
+METRICS = ("selected_fraction", "coverage", "adjacent_jaccard", "router_bce_loss",
+           "eval_selected_fraction", "eval_coverage", "eval_adjacent_jaccard")
+
 _sums: dict[tuple[str, int], torch.Tensor] = {}
 _counts: dict[tuple[str, int], int] = defaultdict(int)
+_microbatch_losses: list[torch.Tensor] = []
 
 
 def record(name: str, layer_number: int, value: torch.Tensor) -> None:
@@ -20,30 +27,51 @@ def record(name: str, layer_number: int, value: torch.Tensor) -> None:
     _counts[key] += 1
 
 
+def add_microbatch_loss(loss: torch.Tensor) -> None:
+    _microbatch_losses.append(loss.detach().float())
+
+
+def take_microbatch_losses() -> Optional[torch.Tensor]:
+    """Mean router BCE over this stage's sparse layers for the micro-batch just run (then cleared)."""
+    if not _microbatch_losses:
+        return None
+    value = torch.stack(_microbatch_losses).mean()
+    _microbatch_losses.clear()
+    return value
+
+
 def reset() -> None:
     _sums.clear()
     _counts.clear()
+    _microbatch_losses.clear()
 
 
-def per_layer(reduce_group=None) -> dict[str, dict[int, float]]:
-    """{metric: {layer_number: mean over recorded micro-batches}}; averaged over ``reduce_group``."""
+def per_layer(num_layers: Optional[int] = None, group=None) -> dict[str, dict[int, float]]:
+    """{metric: {layer_number: mean}}. With ``group``, every rank of it must call this together."""
+    names = sorted({name for name, _ in _sums} | (set(METRICS) if group is not None else set()))
+    if num_layers is None:
+        num_layers = max((layer for _, layer in _sums), default=0)
+    totals = torch.zeros(len(names), num_layers + 1, 2)
+    for (name, layer), value in _sums.items():
+        totals[names.index(name), layer] = torch.stack([value.cpu(), torch.tensor(float(_counts[(name, layer)]))])
+    if group is not None and torch.distributed.is_initialized():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        totals = totals.to(device)
+        torch.distributed.all_reduce(totals, group=group)
+        totals = totals.cpu()
     out: dict[str, dict[int, float]] = defaultdict(dict)
-    if not _sums:
-        return out
-    keys = sorted(_sums)
-    values = torch.stack([_sums[k] / _counts[k] for k in keys])
-    if reduce_group is not None and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(values, group=reduce_group)
-        values /= torch.distributed.get_world_size(reduce_group)
-    for (name, layer), value in zip(keys, values.tolist()):
-        out[name][layer] = value
+    for i, name in enumerate(names):
+        for layer in range(num_layers + 1):
+            total, count = totals[i, layer].tolist()
+            if count:
+                out[name][layer] = total / count
     return out
 
 
-def report(reset_after: bool = True, reduce_group=None) -> dict[str, float]:
+def report(num_layers: Optional[int] = None, group=None, reset_after: bool = True) -> dict[str, float]:
     """Flat dict: ``<metric>`` (mean over layers) and ``<metric>/layer_<n>`` entries."""
     flat: dict[str, float] = {}
-    for name, layers in per_layer(reduce_group).items():
+    for name, layers in per_layer(num_layers, group).items():
         flat[name] = sum(layers.values()) / len(layers)
         for layer, value in layers.items():
             flat[f"{name}/layer_{layer:03d}"] = value

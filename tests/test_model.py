@@ -44,7 +44,7 @@ def test_threshold_routing_is_causal(seeded):
     torch.testing.assert_close(before[:, : t + 1], after[:, : t + 1], rtol=0, atol=1e-5)
     assert not torch.allclose(before[:, t + 1 :], after[:, t + 1 :])
     # and it is a real routing decision: neither nothing nor everything was selected
-    fractions = [v for k, v in metrics.report().items() if k.startswith("selected_fraction/")]
+    fractions = [v for k, v in metrics.report().items() if k.startswith("eval_selected_fraction/")]
     assert any(0 < f < 1 for f in fractions)
 
 
@@ -116,7 +116,7 @@ def test_eval_routing_switch(seeded):
     set_eval_routing(model, "topk")
     with torch.no_grad():
         _logits(model, _tokens())
-    assert metrics.report()["selected_fraction"] == 0.25
+    assert metrics.report()["eval_selected_fraction"] == 0.25
     with pytest.raises(ValueError, match="rule"):
         set_eval_routing(model, "random")
 
