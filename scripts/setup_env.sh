@@ -28,6 +28,18 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip
 # torch first and alone: the pinned CUDA wheel of PyPI (runs on CPU when no GPU is present).
 "${PIP[@]}" install -q -c requirements/constraints.txt torch
+# Build settings for the CUDA permute extension (setup.py builds it only when nvcc and a CUDA torch
+# are present): setup.py imports torch, so no isolated build env ("0" means off for this pip
+# variable); without a visible GPU torch cannot infer the archs; ATen's CUDA headers need the
+# cuBLAS/cuSPARSE headers that ship in torch's nvidia wheels.
+export PIP_NO_BUILD_ISOLATION=0
+if [ -z "${CUDA_HOME:-}" ]; then
+  for d in /usr/local/cuda-13.0 /usr/local/cuda; do [ -x "$d/bin/nvcc" ] && { export CUDA_HOME="$d"; break; }; done
+fi
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}"
+export MAX_JOBS="${MAX_JOBS:-2}"
+NV_INC="$("$VENV/bin/python" -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13/include"))' 2>/dev/null || true)"
+if [ -n "$NV_INC" ] && [ -d "$NV_INC" ]; then export CPATH="$NV_INC${CPATH:+:$CPATH}"; fi
 "${PIP[@]}" install -q -c requirements/constraints.txt -e ".[train,export,scaling,test]" ninja
 echo "$want" > "$STAMP"
 echo "[setup] .venv ready"
