@@ -8,6 +8,7 @@ import sys
 # Modules that provide ``register(subparsers)``; one line per feature.
 COMMAND_MODULES = (
     "megatron_xmod.count_cli",
+    "megatron_xmod.data.preprocess",
 )
 
 

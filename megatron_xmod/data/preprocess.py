@@ -1,0 +1,191 @@
+"""``xmod preprocess``: text or JSONL -> a Megatron indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``).
+
+What a document is:
+* ``.jsonl`` / ``.json`` files: one document per non-empty line, the string under ``--jsonl-key``;
+* any other file: the whole file is one document, or with ``--split-blank-lines`` every block of text
+  between blank lines is one (leading/trailing blank lines of a block are dropped);
+* a directory stands for every non-hidden file below it, in sorted order.
+
+Each document is stored as one sequence with the tokenizer's end-of-document id appended, so decoding a
+sequence without its last id gives the document text back exactly (for gpt2, sentencepiece and bytes).
+Empty documents are skipped. The two files are written under temporary names and renamed at the end, so
+an interrupted run never leaves a prefix that looks complete.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from megatron_xmod.data.tokenizers import TOKENIZER_KINDS, get_tokenizer
+
+JSON_SUFFIXES = (".jsonl", ".json")
+_BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
+
+
+class DataError(ValueError):
+    """Bad data input (missing, empty, unreadable); the message names the file."""
+
+
+def expand_inputs(inputs) -> list[Path]:
+    """Files named by ``inputs`` (files or directories), checked to exist, in a reproducible order."""
+    if not inputs:
+        raise DataError("no --input given")
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            found = sorted(p for p in path.rglob("*")
+                           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            if not found:
+                raise DataError(f"input directory {path} contains no files")
+            files.extend(found)
+        else:
+            raise DataError(f"input not found: {path}")
+    return files
+
+
+def _read_text(path: Path) -> str:
+    try:
+        # newline="" keeps \r\n as written, so the round trip is exact on Windows-style files too.
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+
+
+def iter_documents(files, jsonl_key: str = "text", split_blank_lines: bool = False):
+    """Yield ``(text, source_bytes)``; ``source_bytes`` advances the progress bar by input size."""
+    for path in files:
+        if path.suffix.lower() in JSON_SUFFIXES:
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+                    if not isinstance(record, dict) or jsonl_key not in record:
+                        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                        raise DataError(f"{path}:{lineno}: no key {jsonl_key!r} (--jsonl-key); found {keys}")
+                    text = record[jsonl_key]
+                    if not isinstance(text, str):
+                        raise DataError(f"{path}:{lineno}: {jsonl_key!r} must be a string, "
+                                        f"got {type(text).__name__}")
+                    yield text, len(line.encode("utf-8"))
+            continue
+        text = _read_text(path)
+        size = path.stat().st_size
+        if not split_blank_lines:
+            yield text, size
+            continue
+        blocks = [b.strip("\r\n") for b in _BLANK_LINES.split(text)]
+        blocks = [b for b in blocks if b.strip()]
+        for i, block in enumerate(blocks):
+            yield block, size if i == len(blocks) - 1 else 0
+
+
+# Worker processes build their own tokenizer once; sending a tiktoken encoder through pickle is not possible.
+_WORKER_TOKENIZER = None
+
+
+def _init_worker(kind: str, model):
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = get_tokenizer(kind, model)
+
+
+def _encode_in_worker(item):
+    text, size = item
+    return _WORKER_TOKENIZER.encode(text), size
+
+
+def preprocess(inputs, output_prefix, tokenizer: str = "gpt2", tokenizer_model=None, jsonl_key: str = "text",
+               workers: int = 1, split_blank_lines: bool = False, progress: bool = True) -> dict:
+    """Tokenize ``inputs`` into ``output_prefix.bin/.idx``; return ``{prefix, documents, tokens, ...}``."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from tqdm import tqdm
+
+    if tokenizer not in TOKENIZER_KINDS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r} (--tokenizer); allowed: {', '.join(TOKENIZER_KINDS)}")
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    files = expand_inputs(inputs)
+    tok = get_tokenizer(tokenizer, tokenizer_model)  # verifies hashes before any output exists
+
+    prefix = Path(output_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp_prefix = prefix.with_name(f".{prefix.name}.tmp{os.getpid()}")
+    bin_tmp, idx_tmp = Path(f"{tmp_prefix}.bin"), Path(f"{tmp_prefix}.idx")
+    total_bytes = sum(f.stat().st_size for f in files)
+    docs = iter_documents(files, jsonl_key, split_blank_lines)
+    documents = tokens = 0
+    pool = None
+    try:
+        builder = IndexedDatasetBuilder(str(bin_tmp), dtype=DType.optimal_dtype(tok.vocab_size))
+        if workers == 1:
+            encoded = ((tok.encode(text), size) for text, size in docs)
+        else:
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer, tokenizer_model))
+            encoded = pool.imap(_encode_in_worker, docs, chunksize=8)
+        with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"preprocess {prefix.name}",
+                  disable=not progress, file=sys.stderr) as bar:
+            for ids, size in encoded:
+                bar.update(size)
+                if not ids:
+                    continue
+                ids.append(tok.eod)
+                builder.add_document(np.asarray(ids), [len(ids)])
+                documents += 1
+                tokens += len(ids)
+                bar.set_postfix(docs=documents, tokens=tokens, refresh=False)
+        if documents == 0:
+            builder.data_file.close()
+            raise DataError(f"no documents found in {', '.join(str(f) for f in files)} (all inputs are empty)")
+        builder.finalize(str(idx_tmp))
+        os.replace(bin_tmp, f"{prefix}.bin")
+        os.replace(idx_tmp, f"{prefix}.idx")
+    finally:
+        if pool is not None:
+            pool.terminate()
+        for leftover in (bin_tmp, idx_tmp):
+            if leftover.exists():
+                leftover.unlink()
+    return {"prefix": str(prefix), "bin": f"{prefix}.bin", "idx": f"{prefix}.idx", "documents": documents,
+            "tokens": tokens, "tokenizer": tokenizer, "vocab_size": tok.vocab_size, "eod": tok.eod,
+            "files": len(files)}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("preprocess", help="text/JSONL -> Megatron indexed dataset (.bin/.idx)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR",
+                   help="text files, .jsonl files, or directories of them")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="gpt2")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model file (required for sentencepiece); for gpt2 an optional "
+                        "gpt2.tiktoken file, which must still match the GPT-2 sha256")
+    p.add_argument("--jsonl-key", default="text", help="field holding the document text in .jsonl lines")
+    p.add_argument("--split-blank-lines", action="store_true",
+                   help="in plain-text files, every blank-line-separated block is a document")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    result = preprocess(args.input, args.output_prefix, tokenizer=args.tokenizer,
+                        tokenizer_model=args.tokenizer_model, jsonl_key=args.jsonl_key, workers=args.workers,
+                        split_blank_lines=args.split_blank_lines, progress=not args.quiet)
+    print(f"wrote {result['bin']} and {result['idx']}: {result['documents']} documents, "
+          f"{result['tokens']} tokens ({result['tokenizer']}, vocab {result['vocab_size']}, eod {result['eod']})")
+    return 0
