@@ -5,6 +5,8 @@ import json
 
 from megatron_xmod.accounting import count_model
 from megatron_xmod.layout import layout_from_model_name
+from megatron_xmod.moe.accounting import count_moe_model
+from megatron_xmod.moe.presets import is_moe_model_name
 from megatron_xmod.presets import BACKBONES, get_backbone
 
 
@@ -12,8 +14,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("count", help="parameters and FLOPs/token of a Dense / MoD / X-MoD model")
     p.add_argument("--backbone", default="556m", help=f"one of {', '.join(BACKBONES)}")
     p.add_argument("--model", action="append", default=None,
-                   help="dense, mod, xmod-a4k8, xmod-a3k16, xmod-a<A>k<K>, or a layout such as "
-                        "'D*4 + (S8*8 + D)*4'; repeat for a table (default: the paper's four)")
+                   help="dense, mod, xmod-a4k8, xmod-a3k16, xmod-a<A>k<K>, moe-8x64, moe-8x128, dtopp-t<T>[-e<E>], "
+                        "or a layout such as 'D*4 + (S8*8 + D)*4'; repeat for a table (default: the paper's four)")
     p.add_argument("--seq-len", type=int, default=32768)
     p.add_argument("--dense-prefix", type=int, default=4, help="N0 for xmod-a<A>k<K> names")
     p.add_argument("--json", action="store_true", help="one JSON object per model, one per line")
@@ -29,6 +31,10 @@ def run(args) -> int:
     models = args.model or ["dense", "mod", "xmod-a4k8", "xmod-a3k16"]
     rows = []
     for model in models:
+        if is_moe_model_name(model):
+            row = count_moe_model(backbone, model, args.seq_len).to_dict()
+            rows.append(dict(model=model, **row))
+            continue
         layout = layout_from_model_name(model, activated_depth=backbone.num_layers, dense_prefix=args.dense_prefix)
         row = count_model(backbone, layout, args.seq_len).to_dict()
         rows.append(dict(model=model, **row))

@@ -1,0 +1,104 @@
+"""MoE GPT models: megatron-core ``GPTModel`` with megatron's MoE layer, the DTop-p router
+plugged into ``MoESubmodules.router`` when the config asks for Top-p routing."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_submodules,
+    get_gpt_layer_with_transformer_engine_submodules,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_xmod.attention import SDPAttention
+from megatron_xmod.block import transformer_engine_available
+from megatron_xmod.config import XModConfig
+from megatron_xmod.model import config_from_backbone
+from megatron_xmod.moe.config import MoEConfig
+from megatron_xmod.moe.presets import parse_moe_model
+from megatron_xmod.moe.router import DTopPRouter, dtopp_finalize_model_grads
+from megatron_xmod.presets import Backbone
+
+_MOE_CONFIG_FIELDS = {f.name for f in dataclasses.fields(MoEConfig)} - {f.name for f in dataclasses.fields(XModConfig)}
+
+
+def moe_config_from_backbone(backbone: Backbone, model: str = "moe-8x64", **overrides) -> MoEConfig:
+    """A :class:`MoEConfig` for a Table 4 backbone and an MoE model name (see
+    :mod:`megatron_xmod.moe.presets`). ``overrides`` are any TransformerConfig / MoEConfig fields
+    (e.g. ``moe_token_dispatcher_type``, ``dtopp_kp``, ``expert_model_parallel_size``)."""
+    spec = parse_moe_model(model)
+    fields = {**spec.megatron_fields(backbone.ffn_hidden_size), **spec.moe_fields(), **overrides}
+    moe_fields = {k: fields.pop(k) for k in list(fields) if k in _MOE_CONFIG_FIELDS}
+    # The dense backbone fields come from the one place that maps a Table 4 backbone to a config.
+    base = config_from_backbone(backbone, "dense", **fields)
+    init_fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(XModConfig) if f.init}
+    return MoEConfig(**init_fields, **moe_fields)
+
+
+def get_moe_layer_spec(config: MoEConfig, use_transformer_engine: Optional[bool] = None) -> ModuleSpec:
+    """megatron's GPT layer with MoE (experts, shared experts, dispatcher); the DTop-p router
+    replaces TopKRouter for Top-p router types."""
+    if config.num_moe_experts is None:
+        raise ValueError("num_moe_experts: an MoE layer spec needs experts")
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available() and config.transformer_impl == "transformer_engine"
+    if use_transformer_engine:
+        submodules = get_gpt_layer_with_transformer_engine_submodules(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm)
+    else:
+        submodules = get_gpt_layer_local_submodules(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+        attention = submodules.self_attention
+        attention = dataclasses.replace(
+            attention, submodules=dataclasses.replace(attention.submodules, core_attention=SDPAttention))
+        submodules = dataclasses.replace(submodules, self_attention=attention)
+    if config.is_topp:
+        mlp = submodules.mlp
+        if not (isinstance(mlp, functools.partial) and "submodules" in mlp.keywords):
+            raise TypeError(f"megatron's MoE spec changed shape (got {mlp!r}); cannot plug the DTop-p router")
+        moe_submodules = dataclasses.replace(mlp.keywords["submodules"], router=DTopPRouter)
+        submodules = dataclasses.replace(
+            submodules, mlp=functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_submodules}))
+    return ModuleSpec(module=TransformerLayer, submodules=submodules)
+
+
+def build_moe_gpt_model(
+    config: MoEConfig,
+    vocab_size: int,
+    max_sequence_length: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    rotary_base: int = 1_000_000,
+    vp_stage: Optional[int] = None,
+    pg_collection=None,
+    use_transformer_engine: Optional[bool] = None,
+) -> GPTModel:
+    """Untied embeddings and RoPE, as every model of both papers' comparisons.
+
+    For ``moe_router_type='dtopp'`` this also sets ``config.finalize_model_grads_func`` (when
+    unset) to :func:`~megatron_xmod.moe.router.dtopp_finalize_model_grads`, so megatron's
+    training loop advances the PI controllers once per global batch.
+    """
+    if not isinstance(config, MoEConfig):
+        raise ValueError("config: build_moe_gpt_model needs a MoEConfig (see moe_config_from_backbone)")
+    if config.moe_router_type == "dtopp" and config.finalize_model_grads_func is None:
+        config.finalize_model_grads_func = dtopp_finalize_model_grads
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_moe_layer_spec(config, use_transformer_engine),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=rotary_base,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )

@@ -1,0 +1,248 @@
+"""DTop-p router (DTop-p MoE paper, section 4) as a megatron-core MoE router.
+
+:class:`DTopPRouter` plugs into ``MoESubmodules.router`` of a layer spec and hands megatron's
+dispatchers the same ``(probs, routing_map)`` pair as ``TopKRouter``, except that each token has
+its own number of experts: the smallest set, in order of routing probability, whose cumulative
+probability reaches the threshold p_t; the weights are renormalised over that set.
+
+The threshold of ``moe_router_type='dtopp'`` follows a PI controller (Eq. p_{t+1} = p_0 +
+K_pro e_t + K_int sum e_i, e_t = (T - a_t) / N), updated once per global batch by
+:func:`update_dtopp_controllers`, which the training loop calls right after
+``finalize_model_grads`` (or use :func:`dtopp_finalize_model_grads` as
+``config.finalize_model_grads_func``; :func:`~megatron_xmod.moe.model.build_moe_gpt_model` installs
+it). This mirrors how megatron updates its own expert bias: forward passes only accumulate device
+counters (no host synchronisation per micro-batch), and one small all-reduce per global batch
+turns them into the new threshold, identical on every rank.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    apply_router_token_dropping,
+    switch_load_balancing_loss_func,
+)
+from megatron.core.transformer.moe.router import TopKRouter
+
+from megatron_xmod import metrics
+from megatron_xmod.moe.config import MoEConfig, check_topp_compatibility
+
+# The threshold is clipped to the open interval (0, 1) (paper, "Controller Stability").
+THRESHOLD_EPS = 1e-6
+
+
+def top_p_routing(scores: torch.Tensor, threshold: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p selection on a [tokens, experts] probability matrix.
+
+    Each token keeps the smallest prefix of its experts, sorted by probability (ties: lower expert
+    index first), whose cumulative probability reaches ``threshold``; at least one expert. Returns
+    the weights renormalised over the kept set and the boolean routing map.
+    """
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    # Mass accumulated *before* each expert (an exclusive prefix sum, not cumsum - x, so that the
+    # comparison sees exactly the running sum): keep the expert while the threshold is unmet.
+    cumulative = torch.cumsum(sorted_scores, dim=-1)
+    mass_before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
+    keep_sorted = mass_before < threshold
+    keep_sorted[..., 0] = True  # p -> 0 still routes every token to its best expert
+    routing_map = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = scores * routing_map
+    probs = kept / kept.sum(dim=-1, keepdim=True)
+    return probs, routing_map
+
+
+def pi_update(p0: float, kp: float, ki: float, integral: torch.Tensor, error: torch.Tensor):
+    """One PI step: returns (new threshold clipped to (0, 1), new integral)."""
+    integral = integral + error
+    threshold = torch.clamp(p0 + kp * error + ki * integral, THRESHOLD_EPS, 1 - THRESHOLD_EPS)
+    return threshold, integral
+
+
+class DTopPRouter(TopKRouter):
+    """Top-p router with a PI-controlled (dtopp) or fixed (topp-fixed) threshold.
+
+    Reuses ``TopKRouter`` for the gate (``weight``), the router z-loss (``moe_z_loss_coeff``) and
+    the logging of the load-balancing loss; replaces the selection.
+
+    State:
+      - ``dtopp_threshold`` / ``dtopp_integral``: persistent buffers (checkpointed);
+      - ``drn_scale``: theta_l, a parameter when ``dtopp_routing_norm='learnable'``;
+      - ``dtopp_active_sum`` / ``dtopp_token_count``: the global batch's activation counters,
+        non-persistent, reset by :func:`update_dtopp_controllers`.
+    """
+
+    def __init__(self, config: MoEConfig, pg_collection=None, is_mtp_layer: bool = False) -> None:
+        if not isinstance(config, MoEConfig) or not config.is_topp:
+            raise ValueError("moe_router_type: DTopPRouter needs a MoEConfig with moe_router_type 'dtopp' or 'topp-fixed'")
+        check_topp_compatibility(config)  # the config was validated, but it may have been edited since
+        super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        self.controlled = config.moe_router_type == "dtopp"
+        norm = config.dtopp_routing_norm
+        if norm == "learnable":
+            self.drn_scale = torch.nn.Parameter(torch.full((1,), config.dtopp_routing_norm_init, dtype=torch.float32))
+        else:
+            self.drn_scale = None
+        device = torch.cuda.current_device()
+        self.register_buffer("dtopp_threshold", torch.full((1,), config.dtopp_p0, dtype=torch.float32, device=device))
+        self.register_buffer("dtopp_integral", torch.zeros(1, dtype=torch.float32, device=device))
+        self.register_buffer("dtopp_active_sum", torch.zeros(1, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("dtopp_token_count", torch.zeros(1, dtype=torch.float32, device=device), persistent=False)
+
+    # --- numerics --------------------------------------------------------------------------------
+
+    def _maintain_float32_expert_bias(self):
+        # Float16Module casts buffers to bf16/fp16; the controller state must stay exact.
+        super()._maintain_float32_expert_bias()
+        for name in ("dtopp_threshold", "dtopp_integral", "dtopp_active_sum", "dtopp_token_count"):
+            buffer = getattr(self, name)
+            if buffer.dtype != torch.float32:
+                setattr(self, name, buffer.float())
+
+    def routing_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """P(x): softmax over experts, after Dynamic Routing Normalisation when enabled."""
+        logits = logits.float()
+        norm = self.config.dtopp_routing_norm
+        if norm != "none":
+            mean = logits.mean(dim=-1, keepdim=True)
+            std = logits.std(dim=-1, keepdim=True, unbiased=False)
+            theta = self.drn_scale if norm == "learnable" else self.config.dtopp_routing_norm_init
+            logits = theta * (logits - mean) / (std + 1e-6)
+        return torch.softmax(logits, dim=-1)
+
+    @property
+    def target(self) -> float:
+        return self.config.layer_target(self.layer_number or 1)
+
+    # --- routing ---------------------------------------------------------------------------------
+
+    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        seq_length, bsz = logits.shape[:2]
+        logits = logits.view(-1, self.config.num_moe_experts)
+        if padding_mask is not None:
+            padding_mask = padding_mask.reshape(-1)
+        # Router z-loss acts on the raw gate logits W x (paper Eq.14); megatron's, coefficient
+        # moe_z_loss_coeff, logged as "z_loss".
+        logits = self.apply_z_loss(logits, padding_mask=padding_mask)
+        scores = self.routing_scores(logits)
+        probs, routing_map = top_p_routing(scores, self.dtopp_threshold)
+        valid = None if padding_mask is None else (~padding_mask).unsqueeze(-1)
+        selected = routing_map if valid is None else routing_map & valid
+        training_step = self.training and torch.is_grad_enabled()
+        if training_step:
+            probs = self._apply_topp_losses(probs, scores, selected, valid)
+        if training_step and self.controlled:
+            with torch.no_grad():
+                # The process variable counts selections before any capacity drop: it is what p controls.
+                self.dtopp_active_sum += selected.sum()
+                self.dtopp_token_count += selected.shape[0] if valid is None else valid.sum()
+        if self.layer_number is not None:
+            tokens = selected.shape[0] if valid is None else valid.sum().clamp(min=1)
+            metrics.record("dtopp_active_experts", self.layer_number, selected.sum() / tokens)
+            metrics.record("dtopp_threshold", self.layer_number, self.dtopp_threshold[0])
+        if self.config.moe_expert_capacity_factor is not None:
+            probs, routing_map = apply_router_token_dropping(
+                probs, routing_map, router_topk=self.topk, capacity_factor=self.config.moe_expert_capacity_factor,
+                drop_policy=self.config.moe_token_drop_policy, pad_to_capacity=False)
+        return probs.type_as(logits), routing_map
+
+    def _apply_topp_losses(self, probs, scores, selected, valid):
+        num_tokens = selected.shape[0] if valid is None else valid.sum()
+        scores_valid = scores if valid is None else scores * valid
+        lb_coeff = self.get_aux_loss_coeff("aux_loss")
+        if lb_coeff > 0:
+            # Load-balancing loss N * sum_i f_i Q_i (paper Eq.11) with f_i the share of all
+            # (token, expert) assignments that went to expert i: with a variable number of experts
+            # per token, "topk" in megatron's normalisation is the mean number of experts.
+            local_counts = selected.sum(dim=0).float()
+            counts = reduce_from_tensor_model_parallel_region(local_counts, self.tp_cp_group)
+            total_tokens = reduce_from_tensor_model_parallel_region(
+                torch.as_tensor(num_tokens, dtype=torch.float32, device=scores.device).reshape(1), self.tp_cp_group)[0]
+            mean_experts = counts.sum() / total_tokens.clamp(min=1)
+            lb_loss = switch_load_balancing_loss_func(
+                probs=scores_valid, tokens_per_expert=counts, total_num_tokens=total_tokens, topk=mean_experts,
+                num_experts=self.config.num_moe_experts, moe_aux_loss_coeff=lb_coeff)
+            probs = self.attach_and_log_load_balancing_loss(
+                probs, lb_coeff, lb_loss, "load_balancing_loss", self.tp_cp_group, valid_token_count=num_tokens)
+        dl_coeff = self.config.dtopp_dynamic_loss_coeff
+        if dl_coeff > 0:
+            # Dynamic loss (paper Eq.13): the mean routing entropy, pushing each token to be decisive.
+            entropy = -(scores * torch.log(scores.clamp(min=1e-20))).sum(dim=-1, keepdim=True)
+            if valid is not None:
+                entropy = entropy * valid
+            mean_entropy = entropy.sum() / torch.as_tensor(num_tokens, dtype=torch.float32).clamp(min=1)
+            # Each TP/CP rank holds a slice of the tokens: average over them, as megatron's z-loss.
+            dynamic_loss = mean_entropy * (dl_coeff / self.tp_cp_group.size())
+            if self.calculate_per_token_loss:
+                dynamic_loss = dynamic_loss * num_tokens * self.tp_cp_group.size()
+            probs = MoEAuxLossAutoScaler.apply(probs, dynamic_loss)
+            if self.layer_number is not None:
+                metrics.record("dtopp_dynamic_loss", self.layer_number, mean_entropy * dl_coeff)
+        return probs
+
+
+def dtopp_routers(model_chunks: Iterable[torch.nn.Module], training_only: bool = True) -> list[DTopPRouter]:
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    return [m for chunk in model_chunks for m in chunk.modules()
+            if isinstance(m, DTopPRouter) and m.controlled and (m.training or not training_only)]
+
+
+@torch.no_grad()
+def update_dtopp_controllers(model_chunks, config: Optional[MoEConfig] = None) -> None:
+    """Advance every DTop-p controller by one step; call once per global batch after
+    ``finalize_model_grads`` (megatron's expert-bias update point).
+
+    The activation counters of all micro-batches are all-reduced over the tensor/data/context
+    parallel group (which also spans the expert-parallel ranks, since megatron carves EP out of
+    DP for the dense parameters, routers included), and, for the global controller, over the
+    pipeline stages too, so that p_t is the same on every rank. The update stays on the device:
+    no host synchronisation. A step without training tokens leaves the state unchanged.
+
+    Every pipeline stage must hold at least one DTop-p layer (all presets put MoE in every layer),
+    otherwise the pipeline all-reduce of the global controller has a missing participant.
+    """
+    routers = dtopp_routers(model_chunks)
+    if not routers:
+        return
+    config = config or routers[0].config
+    stats = torch.stack([torch.cat([r.dtopp_active_sum, r.dtopp_token_count]) for r in routers])
+    group = routers[0].tp_dp_cp_group
+    if group is not None and torch.distributed.is_initialized() and group.size() > 1:
+        torch.distributed.all_reduce(stats, group=group)
+    if not config.dtopp_layerwise:
+        stats = stats.sum(dim=0, keepdim=True)
+        if parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            torch.distributed.all_reduce(stats, group=parallel_state.get_pipeline_model_parallel_group())
+        stats = stats.expand(len(routers), 2)
+    seen = stats[:, 1] > 0
+    active = stats[:, 0] / stats[:, 1].clamp(min=1)
+    num_experts = config.num_moe_experts
+    for router, a, has_tokens in zip(routers, active, seen):
+        # Error normalised by the number of experts (paper, "Controller Stability").
+        error = (router.target - a) / num_experts
+        threshold, integral = pi_update(config.dtopp_p0, config.dtopp_kp, config.dtopp_ki, router.dtopp_integral, error)
+        router.dtopp_threshold.copy_(torch.where(has_tokens, threshold, router.dtopp_threshold))
+        router.dtopp_integral.copy_(torch.where(has_tokens, integral, router.dtopp_integral))
+        router.dtopp_active_sum.zero_()
+        router.dtopp_token_count.zero_()
+
+
+def dtopp_finalize_model_grads(model, *args, **kwargs):
+    """Megatron's ``finalize_model_grads`` followed by :func:`update_dtopp_controllers`; a drop-in
+    ``config.finalize_model_grads_func``."""
+    from megatron.core.distributed import finalize_model_grads
+
+    result = finalize_model_grads(model, *args, **kwargs)
+    update_dtopp_controllers(model)
+    return result
+
+
+def controller_state(model_chunks) -> dict[str, float]:
+    """Per-layer thresholds, for logging (host sync: call at log time only)."""
+    return {f"dtopp_threshold/layer_{r.layer_number:03d}": float(r.dtopp_threshold[0])
+            for r in dtopp_routers(model_chunks, training_only=False)}
