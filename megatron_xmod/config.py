@@ -95,6 +95,9 @@ class XModConfig(TransformerConfig):
             raise ValueError("xmod_anchor_stride: MoD has no anchor stride (it alternates sparse and dense)")
         if self.layer_layout.num_sparse_layers == 0:
             return
+        # Sparse layers carry router/gate parameters that dense layers lack, so the checkpoint
+        # cannot stack "layers.*" into one tensor per name: save them layer by layer.
+        self.hetereogenous_dist_checkpoint = True
         # Routing needs every token of a sequence on this rank to rank them (top-k over L).
         if self.sequence_parallel:
             raise ValueError("sequence_parallel: routed layers rank tokens over the whole sequence; set sequence_parallel=False")
