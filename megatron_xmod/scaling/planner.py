@@ -1,0 +1,208 @@
+"""Pick K and A (Eq.10) from the law: at a fixed FLOP budget, or at a fixed wall-clock budget.
+
+FLOPs mode minimises the predicted matched-FLOPs residual Delta (Eq.21). That is the paper's design
+rule, and it ignores that deep sparse stacks run below the dense model's throughput (Table 11, review
+复核四). Wall-clock mode therefore takes measured tokens/s per configuration and compares the loss each
+reaches in the same time: a configuration that trains D tokens in that time spends the compute a
+dense model spends on D * phi/phi_D tokens, so its loss is L_dense(D * phi/phi_D) + Delta (Eq.37).
+"""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from megatron_xmod.layout import LayoutError
+from megatron_xmod.presets import Backbone
+from megatron_xmod.scaling.design import Design, design
+from megatron_xmod.scaling.law import TABLE8, LawParams, asymptotic_exponents, predict_delta
+
+PAPER_A_GRID = (0.5, 1.0, 2.0, 3.0, 4.0, 5.0)  # the anchor sweep of the paper's scaling-law grid
+
+
+@dataclass
+class Option:
+    design: Design
+    predicted_delta: float
+    predicted_loss: Optional[float] = None  # wall-clock mode only
+    tokens_per_s: Optional[float] = None
+
+    def to_dict(self) -> dict:
+        c = self.design.count
+        row = {
+            "K": self.design.K,
+            "A": self.design.A,
+            "layout": self.design.layout.notation,
+            "num_layers": c.num_layers,
+            "total_params": c.total_params,
+            "active_params": c.active_params,
+            "capacity_ratio": self.design.capacity_ratio,
+            "flops_ratio_vs_dense": c.flops_ratio_vs_dense,
+            "predicted_delta": self.predicted_delta,
+        }
+        if self.design.note:
+            row["note"] = self.design.note
+        if self.predicted_loss is not None:
+            row.update(predicted_loss=self.predicted_loss, tokens_per_s=self.tokens_per_s)
+        return row
+
+
+@dataclass
+class Plan:
+    mode: str
+    seq_len: int
+    backbone: str
+    best: Option
+    options: list[Option]
+    infeasible: list[dict] = field(default_factory=list)  # (K, A) with no whole layout
+    over_budget: list[dict] = field(default_factory=list)  # whole layouts above --max-total-params
+    exponents: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "mode": self.mode,
+            "seq_len": self.seq_len,
+            "backbone": self.backbone,
+            **self.best.to_dict(),
+            "asymptotic_exponents": self.exponents,
+            "infeasible": self.infeasible,
+            "num_over_budget": len(self.over_budget),
+            "warnings": self.warnings,
+            "candidates": [o.to_dict() for o in self.options],
+        }
+
+
+def _delta(p: LawParams, d: Design, seq_len: int) -> float:
+    if p.v != 0:
+        # Eq.(27): at equal compute the exposure ratio is (1/K) phi_D/phi; D_dense only sets a scale,
+        # which a plan does not know, so the exposure term cannot be planned with. Say so.
+        raise ValueError("law: the planner uses the practical law (v = 0); this law has an exposure term v > 0")
+    return float(predict_delta(p, d.count.active_params, d.capacity_ratio, seq_len, d.K, d.A or 1.0))
+
+
+def plan_flops(backbone: Backbone, seq_len: int, params: LawParams = TABLE8, a_grid: Sequence[float] = PAPER_A_GRID,
+               k_max: int = 64, dense_prefix: int = 4, max_total_params: Optional[float] = None) -> Plan:
+    if seq_len < 1:
+        raise ValueError(f"seq_len: must be >= 1, got {seq_len}")
+    if k_max < 2:
+        raise ValueError(f"k_max: must be >= 2, got {k_max}")
+    if not a_grid or any(not a > 0 for a in a_grid):
+        raise ValueError(f"A: every anchor stride must be > 0, got {list(a_grid)}")
+    options, infeasible, over = [], [], []
+    for K in range(1, k_max + 1):
+        for A in ([None] if K == 1 else a_grid):
+            try:
+                d = design(backbone, K, A, seq_len, dense_prefix)
+            except LayoutError as err:
+                infeasible.append({"K": K, "A": A, "reason": str(err)})
+                continue
+            if max_total_params is not None and d.count.total_params > max_total_params:
+                over.append({"K": K, "A": A, "total_params": d.count.total_params})
+                continue
+            options.append(Option(d, _delta(params, d, seq_len)))
+    if not options:
+        raise ValueError("max_total_params: no candidate fits; even the dense model has "
+                         f"{design(backbone, 1, None, seq_len).count.total_params:,} parameters")
+    best = min(options, key=lambda o: o.predicted_delta)
+    warnings = []
+    if best.design.K == k_max:
+        warnings.append(f"K^ = {k_max} is the edge of the search (k_max); the law's optimum may lie beyond it")
+    if best.design.A is not None and len(a_grid) > 1 and best.design.A == max(a_grid):
+        warnings.append(f"A^ = {best.design.A:g} is the largest A searched; the law (like the paper's Fig. 2d) "
+                        "keeps rewarding larger A, so the optimum is the grid boundary, not a minimum")
+    return Plan("flops", seq_len, backbone.name, best, options, infeasible, over,
+                asymptotic_exponents(params), warnings)
+
+
+# --- wall-clock mode -----------------------------------------------------------------------------
+
+def read_table(path: str, required: Sequence[str], what: str) -> list[dict]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        columns = [c.strip() for c in (reader.fieldnames or [])]
+        missing = [c for c in required if c not in columns]
+        if missing:
+            raise ValueError(f"{what} {path}: missing column(s) {', '.join(missing)}; "
+                             f"required: {', '.join(required)} (found: {', '.join(columns) or 'none'})")
+        return [{k.strip(): (v or "").strip() for k, v in row.items() if k is not None} for row in reader]
+
+
+def number(row: dict, column: str, where: str, positive: bool = True, integer: bool = False) -> float:
+    text = row.get(column, "")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{where}: column {column!r} must be a number, got {text!r}") from None
+    if not np.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{where}: column {column!r} must be {'> 0' if positive else 'finite'}, got {text!r}")
+    if integer:
+        if value != int(value) or value < 1:
+            raise ValueError(f"{where}: column {column!r} must be an integer >= 1, got {text!r}")
+        return int(value)
+    return value
+
+
+class DenseCurve:
+    """A dense run's loss against tokens seen, interpolated linearly in log(tokens)."""
+
+    def __init__(self, tokens: Sequence[float], loss: Sequence[float], source: str = "dense curve"):
+        order = np.argsort(tokens)
+        self.tokens = np.asarray(tokens, float)[order]
+        self.loss = np.asarray(loss, float)[order]
+        self.source = source
+        if len(self.tokens) < 2 or len(np.unique(self.tokens)) != len(self.tokens):
+            raise ValueError(f"{source}: needs at least two points with distinct 'tokens'")
+
+    @classmethod
+    def from_csv(cls, path: str) -> "DenseCurve":
+        rows = read_table(path, ("tokens", "loss"), "dense curve")
+        where = lambda i: f"dense curve {path} row {i + 2}"  # noqa: E731  (row 1 is the header)
+        return cls([number(r, "tokens", where(i)) for i, r in enumerate(rows)],
+                   [number(r, "loss", where(i)) for i, r in enumerate(rows)], f"dense curve {path}")
+
+    def __call__(self, tokens: float) -> float:
+        if not self.tokens[0] * 0.999 <= tokens <= self.tokens[-1] * 1.001:
+            raise ValueError(f"{self.source}: needs the dense loss at {tokens:.3g} tokens, outside the curve's "
+                             f"{self.tokens[0]:.3g}..{self.tokens[-1]:.3g}; log a longer dense run or shorten --hours")
+        return float(np.interp(np.log(tokens), np.log(self.tokens), self.loss))
+
+
+def plan_wallclock(backbone: Backbone, seq_len: int, throughput_path: str, dense_curve: DenseCurve, hours: float,
+                   params: LawParams = TABLE8, dense_prefix: int = 4,
+                   max_total_params: Optional[float] = None) -> Plan:
+    if not hours > 0:
+        raise ValueError(f"hours: must be > 0, got {hours}")
+    rows = read_table(throughput_path, ("K", "A", "tokens_per_s"), "throughput file")
+    if not rows:
+        raise ValueError(f"throughput file {throughput_path}: no rows")
+    options, infeasible, over = [], [], []
+    for i, row in enumerate(rows):
+        where = f"throughput file {throughput_path} row {i + 2}"
+        K = number(row, "K", where, integer=True)
+        A = None if K == 1 else number(row, "A", where)
+        tps = number(row, "tokens_per_s", where)
+        try:
+            d = design(backbone, K, A, seq_len, dense_prefix, layout=row.get("layout") or None)
+        except LayoutError as err:
+            infeasible.append({"K": K, "A": A, "reason": str(err)})
+            continue
+        if max_total_params is not None and d.count.total_params > max_total_params:
+            over.append({"K": K, "A": A, "total_params": d.count.total_params})
+            continue
+        delta = _delta(params, d, seq_len)
+        tokens = tps * hours * 3600
+        loss = dense_curve(tokens * d.count.flops_ratio_vs_dense) + delta
+        options.append(Option(d, delta, loss, tps))
+    if not options:
+        raise ValueError(f"throughput file {throughput_path}: no configuration is feasible within the constraints")
+    best = min(options, key=lambda o: o.predicted_loss)
+    flops_best = min(options, key=lambda o: o.predicted_delta)
+    warnings = []
+    if flops_best is not best:
+        warnings.append(f"the FLOPs-optimal configuration among these (K={flops_best.design.K}, A={flops_best.design.A}) "
+                        "is not the wall-clock-optimal one")
+    return Plan("wallclock", seq_len, backbone.name, best, options, infeasible, over,
+                asymptotic_exponents(params), warnings)
