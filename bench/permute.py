@@ -205,6 +205,13 @@ def render_markdown(meta, rows):
     if meta["device_type"] == "cpu":
         out += ["CPU run: only the torch reference runs natively here (Triton on CPU is the interpreter, a "
                 "correctness tool; the CUDA extension needs a GPU). GPU numbers come from bench/gpu_check.sh.", ""]
+        load, ncpu = meta.get("loadavg_end"), os.cpu_count() or 1
+        if load and load[0] > ncpu:
+            out += [f"The machine was shared during this run (load average {load[0]} on {ncpu} cores): medians "
+                    "include waits for other processes (times near multiples of ~4 ms are scheduler slices), "
+                    "so the best-of columns are the better estimate of what the code itself costs.", ""]
+        out += ["On CPU the smaller shapes fit in the last-level cache while the copy buffer does not, so "
+                "'% of copy' above 100 is cache bandwidth, not a better-than-copy kernel.", ""]
     out += ["| backend | op | L | h | K | k | median (us) | GB/s | % of copy | best (us) | best GB/s | speedup vs torch |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -215,4 +222,9 @@ def render_markdown(meta, rows):
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--render":  # re-render a .json result as markdown
+        with open(sys.argv[2]) as f:
+            d = json.load(f)
+        sys.stdout.write(render_markdown(d["meta"], d["rows"]))
+    else:
+        main()

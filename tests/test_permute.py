@@ -160,13 +160,13 @@ def check_against_truth(res, x, y, gate, idx, go_full, go_k, need=(True, True, T
             f"{(err / bound).max().item():.3g}")
     # Pure data movement must be exact, and untouched tokens bit-identical (incl. -0.0).
     assert torch.equal(res["gather"].cpu(), reference.gather_tokens(x, idx).cpu())
-    assert torch.equal(res["gather.dx"].cpu(), torch.zeros_like(x).index_put_(
-        (idx.cpu(), torch.arange(idx.shape[1]).expand_as(idx.cpu())), go_k.cpu()) if idx.numel() else
-        torch.zeros_like(x).cpu())
+    cols = torch.arange(idx.shape[1]).expand_as(idx.cpu())
+    want_dx = torch.zeros_like(x.cpu()).index_put_((idx.cpu(), cols), go_k.cpu())
+    assert torch.equal(res["gather.dx"].cpu(), want_dx)
     if need[0]:
         assert torch.equal(res["scatter.dx"], go_full)
     routed = torch.zeros(x.shape[:2], dtype=torch.bool)
-    routed[idx.cpu(), torch.arange(idx.shape[1]).expand_as(idx.cpu())] = True
+    routed[idx.cpu(), cols] = True
     bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
     assert torch.equal(res["scatter"].cpu()[~routed].view(bits), x.cpu()[~routed].view(bits))
 
@@ -258,7 +258,7 @@ def test_cuda_extension_imports_and_fails_clearly_without_gpu():
 
 
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
-GPU_SHAPES = SHAPES + [(512, 2, 2048, 64), (1000, 1, 1024, 1000), (300, 3, 1030, 37), (64, 2, 4097, 9)]
+GPU_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[3], (512, 2, 2048, 64), (1000, 1, 1024, 1000), (300, 3, 1030, 37), (64, 2, 4097, 9)]
 
 
 @needs_gpu
@@ -287,7 +287,7 @@ def test_gpu_partial_grads_and_unaligned_views(backend):
 
 
 @needs_gpu
-def test_gpu_auto_prefers_fastest(caplog):
+def test_gpu_auto_prefers_fastest(fresh_dispatch):
     x = torch.zeros(4, 1, 8, device="cuda")
     want = "cuda" if _built_ext() else "triton"
     assert permute.selected_backend(x) == want
