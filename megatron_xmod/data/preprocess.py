@@ -8,8 +8,9 @@ What a document is:
 
 Each document is stored as one sequence with the tokenizer's end-of-document id appended, so decoding a
 sequence without its last id gives the document text back exactly (for gpt2, sentencepiece and bytes).
-Empty documents are skipped. The two files are written under temporary names and renamed at the end, so
-an interrupted run never leaves a prefix that looks complete.
+Empty and whitespace-only documents are skipped (an EOD alone would teach nothing). The two files are
+written under temporary names and renamed at the end, so an interrupted run never leaves a prefix that
+looks complete.
 """
 from __future__ import annotations
 
@@ -81,12 +82,12 @@ def iter_documents(files, jsonl_key: str = "text", split_blank_lines: bool = Fal
                     if not isinstance(text, str):
                         raise DataError(f"{path}:{lineno}: {jsonl_key!r} must be a string, "
                                         f"got {type(text).__name__}")
-                    yield text, len(line.encode("utf-8"))
+                    yield (text if text.strip() else ""), len(line.encode("utf-8"))
             continue
         text = _read_text(path)
         size = path.stat().st_size
         if not split_blank_lines:
-            yield text, size
+            yield (text if text.strip() else ""), size
             continue
         blocks = [b.strip("\r\n") for b in _BLANK_LINES.split(text)]
         blocks = [b for b in blocks if b.strip()]
@@ -94,6 +95,7 @@ def iter_documents(files, jsonl_key: str = "text", split_blank_lines: bool = Fal
             yield block, size if i == len(blocks) - 1 else 0
 
 
+# Whitespace-only documents arrive as "" so that they encode to nothing and are skipped.
 # Worker processes build their own tokenizer once; sending a tiktoken encoder through pickle is not possible.
 _WORKER_TOKENIZER = None
 
