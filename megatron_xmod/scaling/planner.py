@@ -68,11 +68,33 @@ class Plan:
             "backbone": self.backbone,
             **self.best.to_dict(),
             "asymptotic_exponents": self.exponents,
-            "infeasible": self.infeasible,
+            "infeasible": group_infeasible(self.infeasible),
             "num_over_budget": len(self.over_budget),
             "warnings": self.warnings,
             "candidates": [o.to_dict() for o in self.options],
         }
+
+
+def k_ranges(ks: Sequence[int]) -> str:
+    """[2, 3, 4, 7] -> '2-4,7'."""
+    out, ks = [], sorted(ks)
+    start = prev = ks[0]
+    for k in ks[1:] + [None]:
+        if k is not None and k == prev + 1:
+            prev = k
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if k is not None:
+            start = prev = k
+    return ",".join(out)
+
+
+def group_infeasible(items: list[dict]) -> list[dict]:
+    """One entry per A: the K values without a whole layout and the first reason (they share it)."""
+    by_a: dict = {}
+    for it in items:
+        by_a.setdefault(it["A"], []).append(it)
+    return [{"A": a, "K": [it["K"] for it in its], "reason": its[0]["reason"]} for a, its in by_a.items()]
 
 
 def _delta(p: LawParams, d: Design, seq_len: int) -> float:

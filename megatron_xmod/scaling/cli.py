@@ -1,0 +1,200 @@
+"""``xmod plan`` (choose K and A from the law) and ``xmod fit`` (refit the law on your runs)."""
+from __future__ import annotations
+
+import json
+import os
+
+from megatron_xmod.presets import BACKBONES, get_backbone
+from megatron_xmod.scaling.law import TABLE8, LawParams
+
+
+def _size(text: str) -> float:
+    """'5e9', '4.8B', '900m' -> parameters."""
+    t = text.strip().lower()
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:], 1.0)
+    try:
+        return float(t[:-1] if scale != 1.0 else t) * scale
+    except ValueError:
+        raise ValueError(f"max_total_params: expected a number such as 5e9 or 4.8B, got {text!r}") from None
+
+
+def _a_grid(text: str) -> tuple[float, ...]:
+    try:
+        grid = tuple(float(a) for a in text.split(",") if a.strip())
+    except ValueError:
+        raise ValueError(f"A-grid: expected comma-separated numbers such as 0.5,1,2,3,4,5, got {text!r}") from None
+    if not grid or any(not a > 0 for a in grid):
+        raise ValueError(f"A-grid: every anchor stride must be > 0, got {text!r}")
+    return grid
+
+
+def load_law(path: str | None) -> LawParams:
+    if not path:
+        return TABLE8
+    with open(path) as f:
+        data = json.load(f)
+    params = data.get("params", data)
+    known = set(LawParams.__dataclass_fields__)
+    missing = [k for k in ("e", "u", "eta_N", "rho_N", "w", "eta_L", "rho_L", "z", "rho_K", "rho_A") if k not in params]
+    if missing:
+        raise ValueError(f"law {path}: missing coefficient(s) {', '.join(missing)} (write it with `xmod fit --out`)")
+    return LawParams(**{k: float(v) for k, v in params.items() if k in known})
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="choose sparsity K and anchor stride A from the X-MoD scaling law")
+    p.add_argument("--seq-len", type=int, default=32768, help="training sequence length L (tokens)")
+    p.add_argument("--n-act", default="556m", help=f"activated-equivalent backbone: one of {', '.join(BACKBONES)}")
+    p.add_argument("--max-total-params", default=None, help="cap on total parameters N, e.g. 5e9 or 4.8B")
+    p.add_argument("--A", type=float, default=None, help="fix the anchor stride (default: search --A-grid)")
+    p.add_argument("--A-grid", default="0.5,1,2,3,4,5", help="anchor strides to search (the paper's anchor sweep)")
+    p.add_argument("--k-max", type=int, default=64, help="largest K to consider")
+    p.add_argument("--dense-prefix", type=int, default=4, help="N0, dense layers before the first sparse block")
+    p.add_argument("--law", default=None, help="law JSON from `xmod fit --out` (default: Table 8 of the paper)")
+    p.add_argument("--throughput", default=None,
+                   help="wall-clock mode: CSV with columns K, A, tokens_per_s (optional layout), one row per config")
+    p.add_argument("--dense-curve", default=None,
+                   help="wall-clock mode: CSV with columns tokens, loss of the dense model at this L and backbone")
+    p.add_argument("--hours", type=float, default=None, help="wall-clock mode: training time budget")
+    p.add_argument("--all", action="store_true", help="print every feasible candidate, best first")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=run_plan)
+
+    f = subparsers.add_parser("fit", help="refit the X-MoD scaling law on your own sweep (RUNS.csv, see docs/scaling.md)")
+    f.add_argument("runs", help="RUNS.csv, one row per run")
+    f.add_argument("--dense-curve", default=None, help="CSV with columns L, N_act, C, loss of dense runs to interpolate")
+    f.add_argument("--law", choices=("reduced", "full"), default="reduced",
+                   help="law written as 'params' and used for hold-out and plots: reduced = Eq.(21), full = Eq.(22)")
+    f.add_argument("--holdout", default="auto",
+                   help="comma list of L, N_act, A; 'auto' = those with enough groups; 'none' to skip")
+    f.add_argument("--out", default="scaling_fit", help="folder for law.json and the PNG plots")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--popsize", type=int, default=15, help="differential evolution population multiplier")
+    f.add_argument("--maxiter", type=int, default=200, help="differential evolution generations")
+    f.add_argument("--json", action="store_true", help="print the report as JSON")
+    f.set_defaults(func=run_fit)
+
+
+def _fmt(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def _infeasible_summary(items: list[dict]) -> str:
+    from megatron_xmod.scaling.planner import group_infeasible, k_ranges
+
+    return "; ".join(f"A={g['A']:g}: K={k_ranges(g['K'])}" for g in group_infeasible(items))
+
+
+def run_plan(args) -> int:
+    from megatron_xmod.scaling.planner import DenseCurve, plan_flops, plan_wallclock
+
+    backbone = get_backbone(args.n_act)
+    params = load_law(args.law)
+    cap = _size(args.max_total_params) if args.max_total_params else None
+    wallclock = [args.throughput, args.dense_curve, args.hours]
+    if any(x is not None for x in wallclock):
+        if any(x is None for x in wallclock):
+            raise ValueError("throughput: wall-clock mode needs all of --throughput, --dense-curve and --hours")
+        plan = plan_wallclock(backbone, args.seq_len, args.throughput, DenseCurve.from_csv(args.dense_curve),
+                              args.hours, params, args.dense_prefix, cap)
+    else:
+        grid = (args.A,) if args.A is not None else _a_grid(args.A_grid)
+        plan = plan_flops(backbone, args.seq_len, params, grid, args.k_max, args.dense_prefix, cap)
+    result = plan.to_dict()
+    if args.json:
+        if not args.all:
+            result.pop("candidates")
+        print(json.dumps(result, indent=2))
+        return 0
+
+    b = plan.best
+    c = b.design.count
+    law = "fitted law " + args.law if args.law else "Table 8 law"
+    print(f"xmod plan ({plan.mode} mode, {law}): backbone {backbone.name}, L = {args.seq_len}"
+          + (f", N <= {_fmt(cap)}" if cap else ""))
+    print(f"  K = {b.design.K}, A = {'-' if b.design.A is None else f'{b.design.A:g}'}"
+          + (f"  ({b.design.note})" if b.design.note else ""))
+    print(f"  layout      {b.design.layout.notation}  ({c.num_layers} physical layers)")
+    print(f"  N = {_fmt(c.total_params)} ({c.total_params:,}), N_act = {_fmt(c.active_params)} ({c.active_params:,})")
+    print(f"  phi/phi_D = {c.flops_ratio_vs_dense:.3f}, D/D_D = {c.tokens_ratio_vs_dense:.2f} at equal compute")
+    print(f"  predicted Delta = {b.predicted_delta:+.4f} (loss minus the FLOP-matched dense loss)")
+    if b.predicted_loss is not None:
+        print(f"  predicted loss after {args.hours:g} h = {b.predicted_loss:.4f} at {b.tokens_per_s:,.0f} tokens/s")
+    e = plan.exponents
+    print(f"  Eq.(31): K^ ~ L^{e['L']:.3f} * N_act^{e['N_act']:.3f}")
+    if plan.infeasible:
+        print(f"  infeasible (A*K or (28-N0)/(1+A) not whole), skipped: {_infeasible_summary(plan.infeasible)}")
+    if plan.over_budget:
+        print(f"  {len(plan.over_budget)} candidates above the parameter cap")
+    for w in plan.warnings:
+        print(f"  note: {w}")
+    if args.all:
+        key = (lambda o: o.predicted_loss) if plan.mode == "wallclock" else (lambda o: o.predicted_delta)
+        print(f"  {'K':>3} {'A':>4} {'N':>8} {'phi/phi_D':>9} {'Delta':>8}" + ("  loss" if plan.mode == "wallclock" else ""))
+        for o in sorted(plan.options, key=key):
+            a = "-" if o.design.A is None else f"{o.design.A:g}"
+            print(f"  {o.design.K:>3} {a:>4} {_fmt(o.design.count.total_params):>8} "
+                  f"{o.design.count.flops_ratio_vs_dense:>9.3f} {o.predicted_delta:>+8.4f}"
+                  + (f"  {o.predicted_loss:.4f}" if o.predicted_loss is not None else ""))
+    return 0
+
+
+def run_fit(args) -> int:
+    from megatron_xmod.scaling.fit import HOLDOUTS, FitReport, SearchOptions, check_holdout, fit_both, holdout, in_sample
+    from megatron_xmod.scaling.plots import write_plots
+    from megatron_xmod.scaling.runs import load_runs
+
+    runs = load_runs(args.runs, args.dense_curve)
+    if args.popsize < 1 or args.maxiter < 1:
+        raise ValueError("popsize/maxiter: must be >= 1")
+    opts = SearchOptions(seed=args.seed, popsize=args.popsize, maxiter=args.maxiter)
+    if args.holdout == "none":
+        kinds = []
+    elif args.holdout == "auto":
+        kinds = []
+        for by in HOLDOUTS:
+            try:
+                check_holdout(runs, by)
+                kinds.append(by)
+            except ValueError:
+                pass
+    else:
+        kinds = [k.strip() for k in args.holdout.split(",") if k.strip()]
+        for by in kinds:
+            check_holdout(runs, by)  # fail before the expensive fits
+
+    reduced, full, fell_back = fit_both(runs, opts)
+    chosen = full if args.law == "full" else reduced
+    report = FitReport(reduced, full, in_sample(reduced, runs), in_sample(full, runs), fell_back)
+    for by in kinds:
+        report.holdout[by] = holdout(runs, by, args.law, opts, base_params=chosen.replace(z=0.0))
+    os.makedirs(args.out, exist_ok=True)
+    result = report.to_dict(args.law)
+    result["runs"] = len(runs)
+    result["plots"] = write_plots(chosen, runs, report.holdout, args.out)
+    law_path = os.path.join(args.out, "law.json")
+    with open(law_path, "w") as fh:
+        json.dump(result, fh, indent=2)
+    result["law_json"] = law_path
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+
+    print(f"xmod fit: {len(runs)} sparse runs from {args.runs}; two-stage DE (seed {args.seed}) + NNLS")
+    names = ("e", "u", "eta_N", "rho_N", "w", "eta_L", "rho_L", "z", "rho_K", "rho_A", "v", "eta_D", "rho_D")
+    print(f"  {'coef':<6} {'Table 8':>10} {'reduced':>11} {'full':>11}")
+    for n in names:
+        t8 = getattr(TABLE8, n) if n not in ("eta_D", "rho_D") else float("nan")
+        print(f"  {n:<6} {t8:>10.5g} {getattr(reduced, n):>11.5g} {getattr(full, n):>11.5g}")
+    for label, m in (("reduced (Eq.21)", report.reduced_metrics), ("full (Eq.22)", report.full_metrics)):
+        print(f"  in-sample {label:<16} RMSE {m['rmse']:.5f}  MAE {m['mae']:.5f}  R2_Delta {m['r2_delta']:.4f}")
+    if fell_back:
+        print("  note: the full-law search did not beat the reduced law; kept the reduced solution (v = 0)")
+    for by, h in report.holdout.items():
+        print(f"  leave-one-{by}-out ({args.law}): RMSE {h['rmse']:.5f}  MAE {h['mae']:.5f}  over {h['n']} runs")
+        for g in h["groups"]:
+            extra = f", {g['skipped']} not scored (axis not spanned by the rest)" if g.get("skipped") else ""
+            scores = f"RMSE {g['rmse']:.5f}  MAE {g['mae']:.5f}" if g["n"] else "no run scored"
+            print(f"    held out {g['group']}: {scores}  (n={g['n']}{extra})")
+    print(f"  wrote {law_path} and {', '.join(result['plots'])}")
+    return 0
