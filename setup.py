@@ -35,7 +35,8 @@ def _find_cuda_home():
         if os.path.isfile(os.path.join(cand, "bin", "nvcc")):
             return cand
     nvcc = shutil.which("nvcc")
-    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
+    cand = os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
+    return cand if cand and os.path.isfile(os.path.join(cand, "include", "cuda_runtime.h")) else None
 
 
 def _cuda_extension():

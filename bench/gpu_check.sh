@@ -28,9 +28,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
   || { echo "FATAL: $PY has no working torch"; exit 2; }
 git rev-parse --short HEAD 2>/dev/null || true
 
-# Build: CUDA_HOME from nvcc (setup.py also looks in /usr/local/cuda*); arch list as in CI.
+# Build: CUDA_HOME from nvcc when that directory really is a toolkit (an nvcc wrapper script in
+# /usr/local/bin would give /usr/local); otherwise setup.py searches /usr/local/cuda*.
 if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
-  CUDA_HOME="$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"; export CUDA_HOME
+  cand="$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"
+  [ -f "$cand/include/cuda_runtime.h" ] && export CUDA_HOME="$cand"
 fi
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
@@ -48,7 +50,8 @@ time timeout 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_permute.p
   --junitxml="$RES/gpu_check_${TAG}_tests.xml" -W ignore::DeprecationWarning || status=1
 
 step "bench/permute.py"
-time timeout 200 "$PY" bench/permute.py --tag "$TAG" || status=1
+# BENCH_ARGS (e.g. "--L 4096 --h 1024") narrows the grid for a quick try.
+time timeout 200 "$PY" bench/permute.py --tag "$TAG" ${BENCH_ARGS:-} || status=1
 
 step "done (status $status); results:"
 ls -l "$RES" | grep "$TAG"
