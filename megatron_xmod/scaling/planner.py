@@ -158,12 +158,12 @@ def number(row: dict, column: str, where: str, positive: bool = True, integer: b
         value = float(text)
     except ValueError:
         raise ValueError(f"{where}: column {column!r} must be a number, got {text!r}") from None
-    if not np.isfinite(value) or (positive and value <= 0):
-        raise ValueError(f"{where}: column {column!r} must be {'> 0' if positive else 'finite'}, got {text!r}")
     if integer:
-        if value != int(value) or value < 1:
+        if not np.isfinite(value) or value != int(value) or value < 1:
             raise ValueError(f"{where}: column {column!r} must be an integer >= 1, got {text!r}")
         return int(value)
+    if not np.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{where}: column {column!r} must be {'> 0' if positive else 'finite'}, got {text!r}")
     return value
 
 
