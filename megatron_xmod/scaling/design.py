@@ -58,9 +58,15 @@ def _layout(K: int, A: float, dense_prefix: int, depth: int) -> tuple[Layout, st
 
 def design(backbone: Backbone | str, K: int, A: Optional[float], seq_len: int, dense_prefix: int = 4,
            layout: Optional[str] = None) -> Design:
-    """Raises LayoutError (a ValueError naming the field) when (K, A, N0) is not a whole layout."""
     if isinstance(backbone, str):
         backbone = get_backbone(backbone)
+    return _design(backbone, K, A, seq_len, dense_prefix, layout)
+
+
+@lru_cache(maxsize=8192)  # planners and plots count the same few hundred layouts over and over
+def _design(backbone: Backbone, K: int, A: Optional[float], seq_len: int, dense_prefix: int,
+            layout: Optional[str]) -> Design:
+    """Raises LayoutError (a ValueError naming the field) when (K, A, N0) is not a whole layout."""
     if not isinstance(K, int) or K < 1:
         raise LayoutError(f"K: must be an integer >= 1, got {K!r}")
     if K > 1 and (A is None or not A > 0):
