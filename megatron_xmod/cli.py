@@ -9,6 +9,7 @@ import sys
 COMMAND_MODULES = (
     "megatron_xmod.count_cli",
     "megatron_xmod.data.preprocess",
+    "megatron_xmod.scaling.cli",
 )
 
 
