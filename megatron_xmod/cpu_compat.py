@@ -153,6 +153,21 @@ def _install_training() -> None:
     #    and arguments.py:1437 wants CUDA_DEVICE_MAX_CONNECTIONS=1.
     arguments.get_device_arch_version = lambda: 0
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # 11. training.py:1117 set_jit_fusion_options -> initialize.py:508-547 warms the fused kernels up
+    #     with torch.rand(..., device="cuda") in sizes that depend on the TP size. On a GPU that draws
+    #     from the CUDA generator; here it would draw from the CPU generator that --use-cpu-
+    #     initialization uses next, so TP=1 and TP=2 would start from different weights.
+    warmup = training.set_jit_fusion_options
+
+    @functools.wraps(warmup)
+    def set_jit_fusion_options(*args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            return warmup(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    training.set_jit_fusion_options = set_jit_fusion_options
     # 10. Distributed optimizer without Apex/TE falls back to torch AdamW, whose state is empty
     #     before the first step: distrib_optimizer.py:839 `assert len(steps) == 1` on save, and
     #     distrib_optimizer.py:1225 copies into a view of a leaf that requires grad on load.

