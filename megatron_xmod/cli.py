@@ -10,6 +10,7 @@ COMMAND_MODULES = (
     "megatron_xmod.count_cli",
     "megatron_xmod.data.preprocess",
     "megatron_xmod.scaling.cli",
+    "megatron_xmod.demo",
 )
 
 

@@ -1,0 +1,211 @@
+"""``xmod demo``: the main job. Dense, MoD and X-MoD at equal training FLOPs on the embedded corpus.
+
+Each model is trained by the real entry point (``python -m megatron_xmod.pretrain`` under
+torch.distributed.run, megatron's own loop, checkpoints and tensorboard) on the Shakespeare
+corpus, validated with the deployable threshold routing on whole plays it never saw, and the table
+and plot are read back from the runs' tensorboard logs.
+
+The equal-compute rule is the paper's (Eq.26): the Dense model gets ``--dense-iters`` iterations,
+a routed model ``dense_iters * phi_D / phi`` (FLOPs/token from the accounting module, forward
+without the LM head; training = 3 x forward).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEMO_ARCH = ["--hidden-size", "128", "--ffn-hidden-size", "384", "--num-attention-heads", "4",
+             "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32", "--swiglu",
+             "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--disable-bias-linear",
+             "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--qk-layernorm"]
+CPU_FLAGS = ["--distributed-backend", "gloo", "--no-gradient-accumulation-fusion", "--transformer-impl", "local",
+             "--no-persist-layer-norm", "--no-create-attention-mask-in-dataloader", "--no-rope-fusion",
+             "--use-cpu-initialization"]
+# Activated depth 6 for all three; K = 4 so that routing is visible at a 256-token context.
+MODELS = {
+    "dense": ("dense", "D*6"),
+    "mod": ("mod", "D + (S4 + D)*4"),
+    "xmod": ("xmod", "D*2 + (S4*4 + D)*2"),
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("demo", help="train Dense / MoD / X-MoD at equal FLOPs on CPU and compare")
+    p.add_argument("--out", default="runs/demo", help="output folder (logs, checkpoints, tensorboard, table, plot)")
+    p.add_argument("--dense-iters", type=int, default=120, help="iterations of the Dense model; others match its FLOPs")
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--eval-interval", type=int, default=20)
+    p.add_argument("--eval-iters", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--models", default="dense,mod,xmod", help="comma-separated subset of dense,mod,xmod")
+    p.set_defaults(func=run)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def equal_flops_iterations(dense_iters: int, seq_length: int) -> dict[str, int]:
+    from megatron_xmod.accounting import count_model
+    from megatron_xmod.layout import parse_layout
+    from megatron_xmod.presets import Backbone
+
+    backbone = Backbone("demo", 128, 32, 4, 2, 384, num_layers=6)
+    iters = {}
+    for name, (family, layout) in MODELS.items():
+        count = count_model(backbone, parse_layout(layout), seq_length, family=family)
+        iters[name] = max(1, round(dense_iters * count.tokens_ratio_vs_dense))
+    return iters
+
+
+def _train(name: str, iters: int, args, corpus_args: list[str], out: Path) -> Path:
+    from tqdm import tqdm
+
+    family, layout = MODELS[name]
+    run_dir = out / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+               "-m", "megatron_xmod.pretrain", "--xmod-routing-family", family, "--xmod-layout", layout,
+               *DEMO_ARCH, *CPU_FLAGS, *corpus_args,
+               "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
+               "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
+               "--train-iters", str(iters), "--lr", str(args.lr), "--xmod-paper-schedule",
+               "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
+               "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
+               "--log-interval", "5", "--eval-interval", str(args.eval_interval), "--eval-iters", str(args.eval_iters),
+               "--tensorboard-dir", str(run_dir / "tb"), "--save", str(run_dir / "ckpt"),
+               "--save-interval", str(iters)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1))
+    log_path = run_dir / "train.log"
+    pattern = re.compile(r"iteration\s+(\d+)/\s*(\d+)")
+    with open(log_path, "w") as log, tqdm(total=iters, desc=f"{name:>5} ({layout})", unit="it") as bar:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for line in process.stdout:
+            log.write(line)
+            match = pattern.search(line)
+            if match:
+                bar.update(int(match.group(1)) - bar.n)
+        if process.wait() != 0:
+            raise RuntimeError(f"{name}: training failed (exit {process.returncode}); see {log_path}")
+    return run_dir
+
+
+def read_run(run_dir: Path) -> dict:
+    """Scalars, parameter count and validation curve of one finished run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: dict[str, dict[int, float]] = {}
+    for event_file in sorted((run_dir / "tb").iterdir()):
+        events = EventAccumulator(str(event_file), size_guidance={"scalars": 0})
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            tags.setdefault(tag, {}).update({e.step: e.value for e in events.Scalars(tag)})
+    log = (run_dir / "train.log").read_text()
+    params = re.findall(r"number of parameters on \(tensor.*?\): (\d+)", log)
+    vocab = re.findall(r"new size: (\d+)", log)
+    last = max(tags["tokens seen"])
+    flops_at = tags["training flops"]
+    validation = tags["lm loss validation"]
+    curve = [(flops_at[step], loss) for step, loss in sorted(validation.items()) if step in flops_at]
+    return {
+        "total_params": int(params[-1]) if params else None,
+        "padded_vocab_size": int(vocab[-1]) if vocab else None,
+        "forward_flops_per_token": tags["forward flops per token"][last],
+        "tokens_seen": tags["tokens seen"][last],
+        "training_flops": flops_at[last],
+        "val_loss_threshold": validation[max(validation)],
+        "val_loss_topk": tags.get("lm loss topk routing validation", {}).get(max(validation)),
+        "curve": curve,
+    }
+
+
+def _accounting(name: str, vocab_size: int, seq_length: int):
+    from megatron_xmod.accounting import count_model
+    from megatron_xmod.layout import parse_layout
+    from megatron_xmod.presets import Backbone
+
+    family, layout = MODELS[name]
+    backbone = Backbone("demo", 128, 32, 4, 2, 384, num_layers=6, vocab_size=vocab_size)
+    return count_model(backbone, parse_layout(layout), seq_length, family=family)
+
+
+def run(args) -> int:
+    from megatron_xmod.data.corpus import ensure_default_corpus, megatron_args
+
+    started = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = ensure_default_corpus("gpt2", progress=True)
+    iterations = equal_flops_iterations(args.dense_iters, args.seq_length)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = set(names) - set(MODELS)
+    if unknown:
+        raise ValueError(f"models: {sorted(unknown)} not in {', '.join(MODELS)}")
+    print(f"[demo] equal training FLOPs: iterations {', '.join(f'{n}={iterations[n]}' for n in names)}")
+    results = {}
+    for name in names:
+        results[name] = read_run(_train(name, iterations[name], args, megatron_args(corpus), out))
+    dense_tokens = results["dense"]["tokens_seen"] if "dense" in results else None
+    rows = []
+    for name in names:
+        r = results[name]
+        counted = _accounting(name, r["padded_vocab_size"], args.seq_length)
+        if counted.total_params != r["total_params"]:
+            print(f"[demo] warning: {name}: accounting counts {counted.total_params} parameters, the run built {r['total_params']}")
+        rows.append({
+            "model": name, "layout": MODELS[name][1],
+            "total_params": r["total_params"],
+            "active_params": counted.active_params,
+            "flops_per_token": r["forward_flops_per_token"], "tokens_seen": r["tokens_seen"],
+            "D_over_D_dense": r["tokens_seen"] / dense_tokens if dense_tokens else None,
+            "training_flops": r["training_flops"],
+            "val_loss_threshold": r["val_loss_threshold"], "val_loss_topk": r["val_loss_topk"],
+        })
+    _print_table(rows)
+    (out / "results.json").write_text(json.dumps({"rows": rows, "curves": {n: results[n]["curve"] for n in names}}, indent=1))
+    plot = _plot({n: results[n]["curve"] for n in names}, out / "val_loss_vs_flops.png")
+    print(f"[demo] table: {out / 'results.json'}  plot: {plot}  ({time.time() - started:.0f} s)")
+    return 0
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(f"\n{'model':<6} {'layout':<22} {'N total':>9} {'N act':>9} {'FLOPs/tok':>10} {'tokens':>9} "
+          f"{'D/D_D':>6} {'val loss':>9} {'(top-k)':>8}")
+    for r in rows:
+        topk = f"{r['val_loss_topk']:.4f}" if r["val_loss_topk"] is not None else "-"
+        ratio = f"{r['D_over_D_dense']:.2f}" if r["D_over_D_dense"] is not None else "-"
+        print(f"{r['model']:<6} {r['layout']:<22} {r['total_params']/1e6:>8.2f}M {r['active_params']/1e6:>8.2f}M "
+              f"{r['flops_per_token']:>10.3g} {r['tokens_seen']:>9.0f} {ratio:>6} {r['val_loss_threshold']:>9.4f} {topk:>8}")
+    print("val loss: held-out plays, threshold routing (deployable); (top-k): same batches routed by top-k\n")
+
+
+def _plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curve in curves.items():
+        if curve:
+            flops, loss = zip(*curve)
+            ax.plot(flops, loss, marker="o", label=f"{name}: {MODELS[name][1]}")
+    ax.set_xlabel("training FLOPs (3 x forward, without LM head)")
+    ax.set_ylabel("validation loss (threshold routing)")
+    ax.set_title("Dense / MoD / X-MoD at equal training compute")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
