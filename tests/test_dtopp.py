@@ -11,6 +11,16 @@ from megatron_xmod.moe.config import MoEConfig
 from megatron_xmod.moe.router import DTopPRouter, THRESHOLD_EPS, top_p_routing, update_dtopp_controllers
 
 
+@pytest.fixture(autouse=True)
+def fresh_moe_tracker():
+    """megatron's MoE metrics tracker sizes its per-layer buffers on first use: start each test
+    with a new one, as routers of different depths follow each other here."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+    yield
+
+
 def reference_top_p(probs: torch.Tensor, p: float):
     """Plain per-token loop: experts by decreasing probability (ties: lower index first), added
     while the mass collected so far is below p; weights renormalised over the chosen set."""
@@ -179,7 +189,7 @@ def test_controller_update_rule_and_clipping(seeded):
 
 
 def test_fixed_threshold_ablation_never_moves(seeded):
-    config = make_config(moe_router_type="topp-fixed", dtopp_target_experts=None, dtopp_p0=0.3)
+    config = make_config(moe_router_type="topp-fixed", dtopp_target_experts=None, dtopp_p0=0.3, dtopp_routing_norm=None)
     assert config.dtopp_routing_norm == "fixed"  # the paper's Top-p baseline: 'Global 1.0'
     routers = make_routers(config)
     simulate(routers, 5, 64, lambda step, layer: 1.0)

@@ -15,6 +15,16 @@ from megatron_xmod.presets import BACKBONES
 
 from helpers import TINY
 
+
+@pytest.fixture(autouse=True)
+def fresh_moe_tracker():
+    """megatron's MoE metrics tracker sizes its per-layer buffers on first use: start each test
+    with a new one, as models of different depths follow each other here."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+    yield
+
 # Seed 000, Table 6, MoE rows: (backbone, model, d_e, printed N, printed FLOPs/token at L = 32768).
 TABLE6_MOE = [
     ("556m", "moe-8x64", 384, "2.46B", "8.4e9"), ("556m", "moe-8x128", 384, "4.58B", "8.4e9"),
@@ -111,14 +121,14 @@ def test_training_run_drives_active_experts_to_target(seeded):
     from helpers import english_bytes
 
     backbone = dataclasses.replace(TINY, num_layers=2)
-    config = moe_config_from_backbone(backbone, "dtopp-t2-e8", use_cpu_initialization=True, dtopp_kp=0.3,
-                                      dtopp_ki=0.3, moe_shared_expert_intermediate_size=None)
+    config = moe_config_from_backbone(backbone, "dtopp-t2-e8", use_cpu_initialization=True, dtopp_kp=0.5,
+                                      dtopp_ki=0.5, moe_shared_expert_intermediate_size=None)
     model = build_moe_gpt_model(config, backbone.vocab_size, 32, rotary_base=backbone.rotary_base)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     data, g = english_bytes(), torch.Generator().manual_seed(0)
     routers = dtopp_routers(model)
     curve = []
-    for step in range(60):
+    for step in range(200):
         starts = torch.randint(0, len(data) - 33, (8,), generator=g)
         batch = torch.stack([data[s:s + 33] for s in starts])
         loss = model(batch[:, :-1], torch.arange(32).expand(8, 32), None, labels=batch[:, 1:]).mean()
@@ -128,9 +138,11 @@ def test_training_run_drives_active_experts_to_target(seeded):
         active = sum(r.dtopp_active_sum.item() for r in routers) / sum(r.dtopp_token_count.item() for r in routers)
         update_dtopp_controllers(model)  # once per global batch, after the gradient step
         curve.append((round(active, 3), round(routers[0].dtopp_threshold.item(), 3), round(loss.item(), 3)))
-    print("training run (active experts, threshold, loss) every 5 steps:", curve[::5])
+    print("training run (active experts, threshold, loss) every 10 steps:", curve[::10])
+    print("mean active experts per 25 steps:", [round(sum(a for a, _, _ in curve[i:i + 25]) / 25, 3)
+                                               for i in range(0, len(curve), 25)])
     assert curve[0][0] < 1.5
-    tail = sum(a for a, _, _ in curve[-20:]) / 20
+    tail = sum(a for a, _, _ in curve[-100:]) / 100
     assert abs(tail - 2) <= 0.02 * 2, tail
     assert curve[-1][2] < curve[0][2]
 
