@@ -129,7 +129,8 @@ def test_pi_controller_tracks_target_while_entropy_drifts(seeded):
     """The logit scale drifts from 1 to 2.5 and back (the routing entropy falls and rises) over
     800 steps; every 50-step window after the first 100 steps stays within +-2% of T = 8.
     Gains 1.0 (10x the paper's) let 800 simulated steps stand for a long training run; the loop
-    gain is K_int * (d a / d p) / N, which stays below 1 here (flat logits: d a / d p ~ N)."""
+    gain is K_int * (d a / d p) / N, which stays below 1 here (flat logits: d a / d p ~ N).
+    DRN is off (``make_config``): it would normalise a pure scale drift away."""
     (router,) = make_routers(make_config(dtopp_kp=1.0, dtopp_ki=1.0))
 
     def scale(step, layer):
@@ -139,8 +140,7 @@ def test_pi_controller_tracks_target_while_entropy_drifts(seeded):
     windows = _windows(curve, 50)
     print("drifting entropy, mean active experts per 50 steps:", windows)
     assert all(abs(w - 8) <= 0.02 * 8 for w in windows[2:]), windows
-    thresholds_moved = router.dtopp_threshold.item()
-    assert 0 < thresholds_moved < 1
+    assert 0 < router.dtopp_threshold.item() < 1
 
 
 def test_layerwise_variant_tracks_every_layer_target(seeded):

@@ -188,3 +188,39 @@ def test_lm_z_loss_matches_plain_torch(seeded):
                                                                      reduction="none").reshape(2, 5))
     z.sum().backward()
     assert logits.grad is not None
+
+
+def test_megatron_schedule_updates_the_controller_once_per_global_batch(seeded):
+    """Through megatron's own DDP and forward-backward schedule (4 micro-batches), the installed
+    finalize function advances the controller exactly once per global batch, from the activation
+    of all its micro-batches."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_xmod import metrics
+    from megatron_xmod.moe.model import build_moe_gpt_model, moe_config_from_backbone
+    from megatron_xmod.moe.router import dtopp_routers
+
+    config = moe_config_from_backbone(TINY, "dtopp-t2-e8", use_cpu_initialization=True)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(),
+                                    build_moe_gpt_model(config, TINY.vocab_size, 16, rotary_base=TINY.rotary_base))
+    routers = dtopp_routers(model)
+
+    def forward_step(data, model):
+        tokens = next(data)
+        output = model(tokens, torch.arange(16).expand(2, 16), None, labels=tokens)
+        return output, lambda out: (out.mean(), {"lm loss": out.mean().detach()})
+
+    integral = 0.0
+    for step in range(2):
+        metrics.reset()
+        model.zero_grad_buffer()
+        get_forward_backward_func()(forward_step_func=forward_step, model=[model], num_microbatches=4,
+                                    data_iterator=iter([torch.randint(0, TINY.vocab_size, (2, 16)) for _ in range(4)]),
+                                    seq_length=16, micro_batch_size=2, forward_only=False)
+        active = metrics.report()["dtopp_active_experts"]  # equal-sized micro-batches: the batch mean
+        integral += (2 - active) / 8
+        assert routers[0].dtopp_integral.item() == pytest.approx(integral, abs=1e-6)
+        expected = min(max(0.25 + 0.1 * (2 - active) / 8 + 0.1 * integral, 0), 1)
+        assert [r.dtopp_threshold.item() for r in routers] == pytest.approx([expected] * len(routers), abs=1e-6)
+        assert all(r.dtopp_token_count.item() == 0 for r in routers)
