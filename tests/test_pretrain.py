@@ -120,11 +120,15 @@ def test_tensor_parallel_2_matches_tp1(byte_data, reference_run, tmp_path):
         assert tp2[iteration] == pytest.approx(tp1[iteration], rel=1e-3), iteration
 
 
-def test_pipeline_parallel_2_trains(byte_data, reference_run, tmp_path):
+def test_pipeline_parallel_2_trains(byte_data, tmp_path):
+    """Stage boundary after layer 4 (an anchor). megatron seeds each stage differently (seed + 100 *
+    pp_rank), so the weights, and hence the losses, are not those of the 1-process run."""
     launch(2, tmp_path, byte_data, "--pipeline-model-parallel-size", "2")
-    pp2, pp1 = scalars(tmp_path / "tb")["lm loss"], scalars(reference_run / "tb")["lm loss"]
-    assert pp2[ITERS] < pp2[1] - 0.5
-    assert pp2[1] == pytest.approx(pp1[1], rel=1e-3)  # identical first step: same model, split in two
+    tags = scalars(tmp_path / "tb")
+    assert tags["lm loss"][ITERS] < tags["lm loss"][1] - 0.5
+    # routing statistics reach the log from the sparse layers of both stages
+    for layer in (2, 3, 5, 6):
+        assert tags[f"routing/selected_fraction/layer_{layer:03d}"][ITERS] == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("extra, message", [
