@@ -227,3 +227,25 @@ def test_megatron_schedule_updates_the_controller_once_per_global_batch(seeded):
         expected = min(max(0.25 + 0.1 * (2 - active) / 8 + 0.1 * integral, 0), 1)
         assert [r.dtopp_threshold.item() for r in routers] == pytest.approx([expected] * len(routers), abs=1e-6)
         assert all(r.dtopp_token_count.item() == 0 for r in routers)
+
+
+def test_controller_state_survives_megatron_dist_checkpoint(seeded, tmp_path):
+    """Save and load through megatron's distributed checkpointing (torch_dist): every layer's
+    threshold and integral come back bit for bit."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_xmod.moe.model import build_moe_gpt_model, moe_config_from_backbone
+    from megatron_xmod.moe.router import dtopp_routers
+
+    config = moe_config_from_backbone(TINY, "dtopp-t2-e8", use_cpu_initialization=True, dtopp_layerwise=True)
+    saved = build_moe_gpt_model(config, TINY.vocab_size, 16, rotary_base=TINY.rotary_base)
+    for i, router in enumerate(dtopp_routers(saved)):
+        router.dtopp_threshold.fill_(0.1 + 0.123456789 * i)
+        router.dtopp_integral.fill_(-0.5 + i / 7)
+    dist_checkpointing.save(saved.sharded_state_dict(), str(tmp_path))
+    loaded = build_moe_gpt_model(config, TINY.vocab_size, 16, rotary_base=TINY.rotary_base)
+    loaded.load_state_dict(dist_checkpointing.load(loaded.sharded_state_dict(), str(tmp_path)))
+    for a, b in zip(dtopp_routers(saved), dtopp_routers(loaded)):
+        assert torch.equal(a.dtopp_threshold, b.dtopp_threshold) and torch.equal(a.dtopp_integral, b.dtopp_integral)
+        assert torch.equal(a.drn_scale, b.drn_scale)
+    assert dtopp_routers(loaded)[3].dtopp_threshold.item() == pytest.approx(0.1 + 3 * 0.123456789)
