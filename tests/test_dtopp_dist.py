@@ -5,7 +5,7 @@ import socket
 import subprocess
 import sys
 
-WORKER = os.path.join(os.path.dirname(__file__), "dtopp_dist_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "test_dtopp_dist_worker.py")
 
 
 def _free_port() -> int:

@@ -1,4 +1,4 @@
-"""torchrun worker for test_dtopp_dist.py: EP=2 x DP=2 on 2 gloo processes; every rank sees its
+"""torchrun worker for test_dtopp_dist.py (no tests of its own): EP=2 x DP=2 on 2 gloo processes; every rank sees its
 own data, and after every step p_t must be the same on all ranks. Usage: <steps> <dispatcher>..."""
 import os
 import sys
