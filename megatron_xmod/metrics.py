@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 METRICS = ("selected_fraction", "coverage", "adjacent_jaccard", "router_bce_loss",
-           "eval_selected_fraction", "eval_coverage", "eval_adjacent_jaccard")
+           "eval_selected_fraction", "eval_coverage", "eval_adjacent_jaccard",
+           "dtopp_active_experts", "dtopp_threshold", "dtopp_dynamic_loss")
 
 _sums: dict[tuple[str, int], torch.Tensor] = {}
 _counts: dict[tuple[str, int], int] = defaultdict(int)
@@ -48,11 +49,14 @@ def reset() -> None:
 
 def per_layer(num_layers: Optional[int] = None, group=None) -> dict[str, dict[int, float]]:
     """{metric: {layer_number: mean}}. With ``group``, every rank of it must call this together."""
-    names = sorted({name for name, _ in _sums} | (set(METRICS) if group is not None else set()))
+    # Ranks reduce one tensor together, so with a group its shape is fixed by METRICS alone.
+    names = list(METRICS) if group is not None else sorted({name for name, _ in _sums})
     if num_layers is None:
         num_layers = max((layer for _, layer in _sums), default=0)
     totals = torch.zeros(len(names), num_layers + 1, 2)
     for (name, layer), value in _sums.items():
+        if name not in names:
+            continue
         totals[names.index(name), layer] = torch.stack([value.cpu(), torch.tensor(float(_counts[(name, layer)]))])
     if group is not None and torch.distributed.is_initialized():
         device = "cuda" if torch.cuda.is_available() else "cpu"

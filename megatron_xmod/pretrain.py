@@ -112,7 +112,10 @@ def expand_arguments(argv: list[str]) -> list[str]:
             if lr is None:
                 raise LayoutError("lr: --xmod-paper-schedule decays to 10% of the peak, so it needs --lr")
             tail += ["--min-lr", str(float(lr) * 0.1)]
-    return head + argv + tail
+    from megatron_xmod.moe.args import expand_moe_arguments
+
+    # MoE presets size their experts from --ffn-hidden-size, which the backbone expansion provides.
+    return expand_moe_arguments(head + argv + tail)
 
 
 def _drop_flags(argv: list[str], flags: set[str]) -> list[str]:
@@ -130,16 +133,36 @@ def _drop_flags(argv: list[str], flags: set[str]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- model
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    from megatron.training import get_args
+def config_from_args(args):
+    """XModConfig from megatron's parsed arguments (``--xmod-*`` dests are its field names); a
+    MoEConfig when ``--num-experts``/``--moe-preset`` ask for experts."""
+    import dataclasses
+
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron_xmod.config import XModConfig
+
+    config = core_transformer_config_from_args(args, XModConfig)
+    if config.num_moe_experts is None and getattr(args, "moe_preset", None) is None:
+        return config
+    from megatron_xmod.moe.args import apply_moe_arguments
+    from megatron_xmod.moe.config import MoEConfig
+
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(XModConfig) if f.init}
+    return MoEConfig(**apply_moe_arguments(args, fields))
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    from megatron.training import get_args
+
     from megatron_xmod.model import build_gpt_model
 
     args = get_args()
-    config = core_transformer_config_from_args(args, XModConfig)
-    return build_gpt_model(
+    config = config_from_args(args)
+    build = build_gpt_model
+    if config.num_moe_experts is not None:
+        from megatron_xmod.moe.model import build_moe_gpt_model as build
+    return build(
         config, args.padded_vocab_size, args.max_position_embeddings, pre_process=pre_process,
         post_process=post_process, rotary_base=args.rotary_base, vp_stage=vp_stage, pg_collection=pg_collection,
         use_transformer_engine=args.transformer_impl == "transformer_engine",
@@ -178,12 +201,28 @@ train_valid_test_datasets_provider.is_distributed = True
 
 # ----------------------------------------------------------------------------- step
 def loss_func(loss_mask: torch.Tensor, router_bce: Optional[torch.Tensor], topk_losses: Optional[torch.Tensor],
-              output_tensor: torch.Tensor):
-    losses = output_tensor.float().view(-1)
+              lm_z_loss: Optional[tuple], output_tensor: torch.Tensor):
+    """``lm_z_loss``: (labels, coefficient) when the model returned logits for the DTop-p LM z-loss."""
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
     num_tokens = mask.sum().detach().to(torch.int)
-    reports = {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
+    z_report = None
+    if lm_z_loss is not None:
+        from megatron_xmod.moe.losses import lm_cross_entropy_and_z_loss
+
+        labels, coefficient = lm_z_loss
+        cross_entropy, z_loss = lm_cross_entropy_and_z_loss(output_tensor, labels)
+        losses = cross_entropy.float().view(-1)
+        z_sum = torch.sum(z_loss.float().view(-1) * mask)
+        z_report = torch.cat([z_sum.detach().view(1), num_tokens.view(1)])
+        loss = torch.sum(losses * mask) + coefficient * z_sum
+        lm_sum = torch.sum(losses * mask).detach()
+    else:
+        losses = output_tensor.float().view(-1)
+        loss = torch.sum(losses * mask)
+        lm_sum = loss.detach()
+    reports = {"lm loss": torch.cat([lm_sum.view(1), num_tokens.view(1)])}
+    if z_report is not None:
+        reports["lm z loss"] = z_report
     if router_bce is not None:
         reports["router bce loss"] = torch.cat([(router_bce.detach() * num_tokens).view(1), num_tokens.view(1)])
     if topk_losses is not None:
@@ -201,7 +240,16 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     tokens, labels = batch["tokens"], batch["labels"]
     loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
     attention_mask = batch.get("attention_mask")
-    output = model(tokens, position_ids, attention_mask, labels=labels)
+    from megatron.core.utils import get_attr_wrapped_model
+
+    z_coefficient = getattr(get_attr_wrapped_model(model, "config"), "lm_z_loss_coeff", 0.0)
+    if z_coefficient > 0 and model.training:
+        # the z-loss needs the logits, so the loss is computed here instead of inside GPTModel
+        output = model(tokens, position_ids, attention_mask)
+        lm_z_loss = (labels, z_coefficient)
+    else:
+        output = model(tokens, position_ids, attention_mask, labels=labels)
+        lm_z_loss = None
     router_bce = metrics.take_microbatch_losses() if model.training else None
 
     topk_losses = None
@@ -216,7 +264,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         with torch.no_grad():
             topk_losses = model(tokens, position_ids, attention_mask, labels=labels)
         set_eval_routing(model, rule)
-    return output, partial(loss_func, loss_mask, router_bce, topk_losses)
+    return output, partial(loss_func, loss_mask, router_bce, topk_losses, lm_z_loss)
 
 
 # ----------------------------------------------------------------------------- main
@@ -237,7 +285,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     # `_compile_dependencies` runs `make` in megatron/core/datasets, but the pip wheel ships the
     # compiled helpers and no Makefile: the build step can only fail there.
     dataset_utils.compile_helpers = lambda: None
-    args = parse_and_validate_args(extra_args_provider=add_xmod_arguments)
+    from megatron_xmod.moe.args import add_moe_arguments
+
+    args = parse_and_validate_args(extra_args_provider=lambda parser: add_moe_arguments(add_xmod_arguments(parser)))
     _validate_before_training(args)
     install_routing_logging()
     config_container = pretrain_cfg_container_from_args(args, None)
@@ -247,11 +297,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 def _validate_before_training(args) -> None:
     """Fail before any training starts: the routed config, sequence length, data paths."""
-    from megatron.training.arguments import core_transformer_config_from_args
-
-    from megatron_xmod.config import XModConfig
-
-    config = core_transformer_config_from_args(args, XModConfig)  # raises with the field name
+    config = config_from_args(args)  # raises with the field name
     ks = {layer.sparsity_k for layer in config.layer_layout.layers if layer.is_sparse}
     for k in ks:
         if args.seq_length % k:

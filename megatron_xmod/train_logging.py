@@ -32,7 +32,20 @@ def compute_accounting(args):
         ffn_hidden_size=args.ffn_hidden_size, num_layers=round(float(layout.activated_depth)),
         vocab_size=args.padded_vocab_size, qk_layernorm=args.qk_layernorm,
     )
-    return count_model(backbone, layout, args.seq_length, family=args.xmod_routing_family)
+    if getattr(args, "num_experts", None) is None:
+        return count_model(backbone, layout, args.seq_length, family=args.xmod_routing_family)
+    from megatron_xmod.moe.accounting import count_moe_model
+
+    # MoE models are counted by their preset (or DTop-p target); a hand-made expert setup has no
+    # fixed active-expert count to charge, so it reports no FLOPs.
+    router = getattr(args, "moe_router_type", None) or "topk"
+    if router == "dtopp" and args.dtopp_target_experts is not None:
+        name = f"dtopp-t{float(args.dtopp_target_experts):g}-e{args.num_experts}"
+    elif router == "topk" and getattr(args, "moe_preset", None):
+        name = args.moe_preset
+    else:
+        return None
+    return count_moe_model(backbone, name, args.seq_length)
 
 
 def log_routing_and_compute(iteration: int) -> dict[str, float]:
@@ -43,20 +56,21 @@ def log_routing_and_compute(iteration: int) -> dict[str, float]:
         return {}
     count = compute_accounting(args)
     tokens = args.consumed_train_samples * args.seq_length
-    scalars = {
-        "tokens seen": float(tokens),
-        "training flops": 3.0 * count.flops_per_token * tokens,
-        "forward flops per token": count.flops_per_token,
-        "D over D_dense": count.tokens_ratio_vs_dense,
-    }
-    routing = metrics.report(num_layers=args.num_layers, group=None if count.num_sparse_layers == 0 else _world())
+    scalars = {"tokens seen": float(tokens)}
+    if count is not None:
+        scalars.update({
+            "training flops": 3.0 * count.flops_per_token * tokens,
+            "forward flops per token": count.flops_per_token,
+            "D over D_dense": count.tokens_ratio_vs_dense,
+        })
+    routing = metrics.report(num_layers=args.num_layers, group=_world())
     scalars.update({f"routing/{name}": value for name, value in routing.items()})
     writer = get_tensorboard_writer()
     if writer is not None:
         for tag, value in scalars.items():
             writer.add_scalar(tag, value, iteration)
     summary = " | ".join(f"{name}: {scalars[name]:.4g}" for name in
-                         ("tokens seen", "training flops", "forward flops per token", "D over D_dense"))
+                         ("tokens seen", "training flops", "forward flops per token", "D over D_dense") if name in scalars)
     means = " | ".join(f"{name}: {routing[name]:.4f}" for name in metrics.METRICS if name in routing)
     print_rank_last(f" [xmod] iteration {iteration:8d} | {summary}" + (f" | {means}" if means else ""))
     return scalars
