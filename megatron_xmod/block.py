@@ -27,10 +27,12 @@ def transformer_engine_available() -> bool:
 
 
 def get_layer_submodules(config: XModConfig, use_transformer_engine: bool) -> TransformerLayerSubmodules:
-    """The submodules every layer (dense or sparse) is built from: megatron's own GPT layer."""
+    """The submodules every layer (dense, sparse or MoE) is built from: megatron's own GPT layer,
+    with SDPA core attention on the local path."""
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if use_transformer_engine:
-        return get_gpt_layer_with_transformer_engine_submodules(qk_layernorm=config.qk_layernorm)
-    submodules = get_gpt_layer_local_submodules(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+        return get_gpt_layer_with_transformer_engine_submodules(qk_layernorm=config.qk_layernorm, **moe)
+    submodules = get_gpt_layer_local_submodules(qk_layernorm=config.qk_layernorm, normalization=config.normalization, **moe)
     attention = submodules.self_attention
     attention = dataclasses.replace(
         attention, submodules=dataclasses.replace(attention.submodules, core_attention=SDPAttention)
@@ -52,14 +54,19 @@ def get_xmod_decoder_layer_specs(config: XModConfig, use_transformer_engine: boo
     return specs
 
 
+def resolve_use_transformer_engine(config: XModConfig, use_transformer_engine: Optional[bool]) -> bool:
+    if use_transformer_engine is None:
+        return transformer_engine_available() and config.transformer_impl == "transformer_engine"
+    return use_transformer_engine
+
+
 def get_xmod_decoder_block_spec(
     config: XModConfig,
     use_transformer_engine: Optional[bool] = None,
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
-    if use_transformer_engine is None:
-        use_transformer_engine = transformer_engine_available() and config.transformer_impl == "transformer_engine"
+    use_transformer_engine = resolve_use_transformer_engine(config, use_transformer_engine)
     layer_specs = get_xmod_decoder_layer_specs(config, use_transformer_engine)
     if config.pipeline_model_parallel_layout is not None:
         layer_ids = config.pipeline_model_parallel_layout.get_layer_id_list(

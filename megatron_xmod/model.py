@@ -60,11 +60,15 @@ def build_gpt_model(
     vp_stage: Optional[int] = None,
     pg_collection=None,
     use_transformer_engine: Optional[bool] = None,
+    transformer_layer_spec=None,
 ) -> GPTModel:
-    """Untied embeddings and RoPE, as in every model of the paper."""
+    """Untied embeddings and RoPE, as in every model of the paper. ``transformer_layer_spec``
+    defaults to the X-MoD decoder block of ``config``'s layout."""
+    if transformer_layer_spec is None:
+        transformer_layer_spec = get_xmod_decoder_block_spec(config, use_transformer_engine, vp_stage=vp_stage)
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_xmod_decoder_block_spec(config, use_transformer_engine, vp_stage=vp_stage),
+        transformer_layer_spec=transformer_layer_spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,

@@ -147,3 +147,18 @@ def test_missing_data_path_fails_before_training(tmp_path):
     assert result.returncode != 0
     assert "data_path: no Megatron dataset at" in result.stdout + result.stderr
     assert "iteration        1/" not in result.stdout
+
+
+def test_dtopp_moe_through_the_entry_point(byte_data, tmp_path):
+    """Issue 4's flags on issue 3's entry point: the DTop-p controller runs inside megatron's loop."""
+    moe = ["--moe-preset", "moe-8x64", "--moe-router-type", "dtopp", "--dtopp-target-experts", "8",
+           "--lm-z-loss-coeff", "1e-4"]
+    arch = [a for a in ARCH if a != "--qk-layernorm"] + ["--num-layers", "2", "--no-rope-fusion"]
+    launch(1, tmp_path, byte_data, *moe, arch=arch, routed=[])
+    tags = scalars(tmp_path / "tb")
+    assert tags["lm loss"][ITERS] < tags["lm loss"][1]
+    assert "lm z loss" in tags and "load_balancing_loss" in tags
+    thresholds = tags["routing/dtopp_threshold"]
+    assert thresholds[ITERS] != thresholds[1]  # the PI controller moved p_t
+    assert 1 <= tags["routing/dtopp_active_experts"][ITERS] <= 64
+    assert tags["forward flops per token"][ITERS] > 0

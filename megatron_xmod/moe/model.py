@@ -7,17 +7,12 @@ import functools
 from typing import Optional
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_submodules,
-    get_gpt_layer_with_transformer_engine_submodules,
-)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_xmod.attention import SDPAttention
-from megatron_xmod.block import transformer_engine_available
+from megatron_xmod.block import get_layer_submodules, resolve_use_transformer_engine
 from megatron_xmod.config import XModConfig
-from megatron_xmod.model import config_from_backbone
+from megatron_xmod.model import build_gpt_model, config_from_backbone
 from megatron_xmod.moe.config import MoEConfig
 from megatron_xmod.moe.presets import parse_moe_model
 from megatron_xmod.moe.router import DTopPRouter, dtopp_finalize_model_grads
@@ -44,20 +39,7 @@ def get_moe_layer_spec(config: MoEConfig, use_transformer_engine: Optional[bool]
     replaces TopKRouter for Top-p router types."""
     if config.num_moe_experts is None:
         raise ValueError("num_moe_experts: an MoE layer spec needs experts")
-    if use_transformer_engine is None:
-        use_transformer_engine = transformer_engine_available() and config.transformer_impl == "transformer_engine"
-    if use_transformer_engine:
-        submodules = get_gpt_layer_with_transformer_engine_submodules(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
-            qk_layernorm=config.qk_layernorm)
-    else:
-        submodules = get_gpt_layer_local_submodules(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
-            qk_layernorm=config.qk_layernorm, normalization=config.normalization)
-        attention = submodules.self_attention
-        attention = dataclasses.replace(
-            attention, submodules=dataclasses.replace(attention.submodules, core_attention=SDPAttention))
-        submodules = dataclasses.replace(submodules, self_attention=attention)
+    submodules = get_layer_submodules(config, resolve_use_transformer_engine(config, use_transformer_engine))
     if config.is_topp:
         mlp = submodules.mlp
         if not (isinstance(mlp, functools.partial) and "submodules" in mlp.keywords):
@@ -89,16 +71,8 @@ def build_moe_gpt_model(
         raise ValueError("config: build_moe_gpt_model needs a MoEConfig (see moe_config_from_backbone)")
     if config.moe_router_type == "dtopp" and config.finalize_model_grads_func is None:
         config.finalize_model_grads_func = dtopp_finalize_model_grads
-    return GPTModel(
-        config=config,
+    return build_gpt_model(
+        config, vocab_size, max_sequence_length, pre_process=pre_process, post_process=post_process,
+        rotary_base=rotary_base, vp_stage=vp_stage, pg_collection=pg_collection,
         transformer_layer_spec=get_moe_layer_spec(config, use_transformer_engine),
-        vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        rotary_base=rotary_base,
-        vp_stage=vp_stage,
-        pg_collection=pg_collection,
     )
