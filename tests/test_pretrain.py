@@ -44,12 +44,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc, out, data, *extra, check=True, arch=ARCH, routed=ROUTED):
+SCHEDULE = ["--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
+
+
+def launch(nproc, out, data, *extra, check=True, arch=ARCH, routed=ROUTED, schedule=SCHEDULE):
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={_free_port()}", "-m", "megatron_xmod.pretrain", *routed, *arch, *CPU,
                "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
-               "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "3e-3", "--min-lr", "3e-4",
-               "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--tokenizer-type", "NullTokenizer",
+               "--global-batch-size", "4", "--train-iters", str(ITERS), *schedule, "--tokenizer-type", "NullTokenizer",
                "--vocab-size", "256", "--data-path", data, "--split", "90,5,5", "--attention-dropout", "0",
                "--hidden-dropout", "0", "--seed", "1234", "--log-interval", "1", "--eval-interval", "6",
                "--eval-iters", "1", "--tensorboard-dir", str(out / "tb"), *extra]
@@ -162,3 +164,13 @@ def test_dtopp_moe_through_the_entry_point(byte_data, tmp_path):
     assert thresholds[ITERS] != thresholds[1]  # the PI controller moved p_t
     assert 1 <= tags["routing/dtopp_active_experts"][ITERS] <= 64
     assert tags["forward flops per token"][ITERS] > 0
+
+
+def test_muon_table5_and_paper_schedule(byte_data, tmp_path):
+    """Table 5's Muon (megatron's emerging-optimizers integration) with 1% warmup and cosine to 10%."""
+    launch(1, tmp_path, byte_data, "--xmod-muon-table5", "--xmod-paper-schedule", schedule=[])
+    tags = scalars(tmp_path / "tb")
+    lr = tags["learning-rate"]
+    assert max(lr.values()) == pytest.approx(3.2e-3, rel=0.05)  # Table 5 peak
+    assert lr[ITERS] == pytest.approx(3.2e-4, rel=1e-3)  # cosine down to 10% of the peak
+    assert tags["lm loss"][ITERS] < tags["lm loss"][1] - 0.5
