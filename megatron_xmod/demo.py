@@ -38,12 +38,11 @@ MODELS = {
 def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="train Dense / MoD / X-MoD at equal FLOPs on CPU and compare")
     p.add_argument("--out", default="runs/demo", help="output folder (logs, checkpoints, tensorboard, table, plot)")
-    p.add_argument("--dense-iters", type=int, default=100, help="iterations of the Dense model; others match its FLOPs")
+    p.add_argument("--dense-iters", type=int, default=160, help="iterations of the Dense model; others match its FLOPs")
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=8)
-    p.add_argument("--eval-interval", type=int, default=20)
-    p.add_argument("--eval-iters", type=int, default=2)
+    p.add_argument("--eval-interval", type=int, default=40)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--models", default="dense,mod,xmod", help="comma-separated subset of dense,mod,xmod")
     p.add_argument("--tokenizer", default="sentencepiece", choices=("sentencepiece", "gpt2"),
@@ -85,7 +84,7 @@ def _train(name: str, iters: int, args, corpus_args: list[str], out: Path) -> Pa
                "--train-iters", str(iters), "--lr", str(args.lr), "--xmod-paper-schedule",
                "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
                "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
-               "--log-interval", str(max(1, min(5, iters // 4))), "--eval-interval", str(args.eval_interval), "--eval-iters", str(args.eval_iters),
+               "--log-interval", "1", "--eval-interval", str(args.eval_interval),
                "--tensorboard-dir", str(run_dir / "tb"), "--save", str(run_dir / "ckpt"),
                "--save-interval", str(iters)]
     env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1))
@@ -103,6 +102,14 @@ def _train(name: str, iters: int, args, corpus_args: list[str], out: Path) -> Pa
     return run_dir
 
 
+def _validation_tag(tags: dict, key: str) -> dict[int, float]:
+    """megatron names it "<key> validation", or "<key> validation-0" with --multiple-validation-sets."""
+    for tag in (f"{key} validation", f"{key} validation-0"):
+        if tag in tags:
+            return tags[tag]
+    return {}
+
+
 def read_run(run_dir: Path) -> dict:
     """Scalars, parameter count and validation curve of one finished run."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -117,7 +124,7 @@ def read_run(run_dir: Path) -> dict:
     params = re.findall(r"number of parameters on \(tensor.*?\): (\d+)", log)
     last = max(tags["tokens seen"])
     flops_at = tags["training flops"]
-    validation = tags["lm loss validation"]
+    validation = _validation_tag(tags, "lm loss")
     curve = [(flops_at[step], loss) for step, loss in sorted(validation.items()) if step in flops_at]
     return {
         "total_params": int(params[-1]) if params else None,
@@ -125,7 +132,7 @@ def read_run(run_dir: Path) -> dict:
         "tokens_seen": tags["tokens seen"][last],
         "training_flops": flops_at[last],
         "val_loss_threshold": validation[max(validation)],
-        "val_loss_topk": tags.get("lm loss topk routing validation", {}).get(max(validation)),
+        "val_loss_topk": _validation_tag(tags, "lm loss topk routing").get(max(validation)),
         "curve": curve,
     }
 
@@ -141,7 +148,8 @@ def _accounting(name: str, vocab_size: int, seq_length: int):
 
 
 def run(args) -> int:
-    from megatron_xmod.data.corpus import ensure_default_corpus, megatron_args
+    from megatron_xmod.data.corpus import ensure_default_corpus
+    from megatron_xmod.data.tokenizers import megatron_tokenizer_args
 
     started = time.time()
     out = Path(args.out)
@@ -152,10 +160,15 @@ def run(args) -> int:
     unknown = set(names) - set(MODELS)
     if unknown:
         raise ValueError(f"models: {sorted(unknown)} not in {', '.join(MODELS)}")
+    # Validation is the whole of two held-out plays at every evaluation (--full-validation), so all
+    # points of all models are measured on the same tokens: paired, like the paper's shared shards.
+    data_args = ["--train-data-path", corpus["train"], "--valid-data-path", corpus["test"], "--full-validation",
+                 "--multiple-validation-sets",  # megatron 0.19.2 indexes eval_iters as a list only in this mode
+                 *megatron_tokenizer_args(args.tokenizer, corpus.get("tokenizer_model"))]
     print(f"[demo] equal training FLOPs: iterations {', '.join(f'{n}={iterations[n]}' for n in names)}")
     results = {}
     for name in names:
-        results[name] = read_run(_train(name, iterations[name], args, megatron_args(corpus), out))
+        results[name] = read_run(_train(name, iterations[name], args, data_args, out))
     from megatron_xmod.data.tokenizers import get_tokenizer
 
     # megatron pads the embedding rows to a multiple of 128 (--make-vocab-size-divisible-by)
@@ -192,7 +205,8 @@ def _print_table(rows: list[dict]) -> None:
         ratio = f"{r['D_over_D_dense']:.2f}" if r["D_over_D_dense"] is not None else "-"
         print(f"{r['model']:<6} {r['layout']:<22} {r['total_params']/1e6:>8.2f}M {r['active_params']/1e6:>8.2f}M "
               f"{r['flops_per_token']:>10.3g} {r['tokens_seen']:>9.0f} {ratio:>6} {r['val_loss_threshold']:>9.4f} {topk:>8}")
-    print("val loss: held-out plays, threshold routing (deployable); (top-k): same batches routed by top-k\n")
+    print("val loss: two held-out plays (The Tempest, Much Ado About Nothing), all tokens, threshold routing "
+          "(deployable); (top-k): the same tokens routed by top-k\n")
 
 
 def _plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> Path:

@@ -16,7 +16,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_xmod import metrics
 from megatron_xmod.permute import gather_tokens, scatter_gated
-from megatron_xmod.routing import jaccard_tensor, route, router_bce_loss, update_token_choice_bias
+from megatron_xmod.attention import SDPAttention
+from megatron_xmod.routing import jaccard_tensor, padded_selection, route, router_bce_loss, update_token_choice_bias
 
 
 class TokenChoiceBiasCarry:
@@ -121,9 +122,14 @@ class XModSparseLayer(TransformerLayer):
 
         if decision.topk_indices is not None:
             output = self._routed_update(hidden_states, decision.topk_indices, decision.scores, rotary_pos_emb)
+        elif isinstance(self.self_attention.core_attention, SDPAttention):
+            # Threshold routing selects a different number of tokens per sequence: pad to the longest
+            # and mask the padding out of attention (SDPA takes the explicit mask).
+            indices, valid = padded_selection(decision.selected)
+            output = hidden_states if indices is None else self._routed_update(
+                hidden_states, indices, decision.scores, rotary_pos_emb, valid)
         else:
-            # Threshold routing selects a different number of tokens per sequence; route each one on
-            # its own rather than pad, so no sequence ever attends to another's padding.
+            # Other attention backends honour only their causal mask type: route sequence by sequence.
             columns = []
             for j in range(batch):
                 indices = decision.selected[:, j].nonzero()  # [k_j, 1], ascending positions
@@ -139,20 +145,27 @@ class XModSparseLayer(TransformerLayer):
             output = RouterLossAutoScaler.apply(output, config.xmod_router_bce_coeff * bce, config)
         return output, context
 
-    def _routed_update(self, hidden_states, indices, scores, rotary_pos_emb):
+    def _routed_update(self, hidden_states, indices, scores, rotary_pos_emb, valid=None):
         routed = gather_tokens(hidden_states, indices)
-        attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices))
+        attention_mask = None
+        if valid is not None:  # padded batch: causal among routed tokens, padding visible to itself only
+            k = indices.shape[0]
+            causal = torch.ones(k, k, dtype=torch.bool, device=indices.device).tril()
+            allowed = causal & (valid.t()[:, None, :] | torch.eye(k, dtype=torch.bool, device=indices.device))
+            attention_mask = ~allowed.unsqueeze(1)  # megatron convention: True = masked, [b, 1, k, k]
+        attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
         r = torch.sigmoid(torch.gather(scores, 0, indices)).to(hidden_states.dtype)  # [k, b]
+        keep = torch.ones_like(r) if valid is None else valid.to(r.dtype)
         if self.routing_family == "xmod":  # Eq.(7): x + varsigma * r * (a + f)
-            return scatter_gated(hidden_states, attention + mlp, self.gate_scale * r, indices)
+            return scatter_gated(hidden_states, attention + mlp, self.gate_scale * r * keep, indices)
         # Eq.(6), MoD: x + a + r * f
-        return scatter_gated(hidden_states, attention + r.unsqueeze(-1) * mlp, torch.ones_like(r), indices)
+        return scatter_gated(hidden_states, attention + r.unsqueeze(-1) * mlp, keep, indices)
 
-    def _attention_and_mlp(self, x, rotary_pos_emb):
+    def _attention_and_mlp(self, x, rotary_pos_emb, attention_mask=None):
         """The attention update a and MLP update f of this layer on the routed subsequence x."""
         normed = self.input_layernorm(x)
         normed = normed[0] if isinstance(normed, tuple) else normed
-        attention, attention_bias = self.self_attention(normed, attention_mask=None, rotary_pos_emb=rotary_pos_emb)
+        attention, attention_bias = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         attention = self._dropout(attention, attention_bias)
         normed = self.pre_mlp_layernorm(x + attention)
         normed = normed[0] if isinstance(normed, tuple) else normed

@@ -177,12 +177,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     from megatron.training.utils import get_blend_and_blend_per_split
 
     args = get_args()
-    blend, blend_per_split = get_blend_and_blend_per_split(args)
-    for paths in ([blend] if blend else []) + [b for b in (blend_per_split or []) if b]:
-        for prefix in paths[0]:
-            if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
-                raise FileNotFoundError(f"data_path: no Megatron dataset at {prefix!r} (expected {prefix}.bin and "
-                                        f"{prefix}.idx; make one with `xmod preprocess`)")
+    blend, blend_per_split = get_blend_and_blend_per_split(args)  # paths checked in _validate_before_training
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
         split=args.split, path_to_cache=args.data_cache_path, tokenizer=get_tokenizer(),
@@ -299,14 +294,18 @@ def _validate_before_training(args) -> None:
     """Fail before any training starts: the routed config, sequence length, data paths."""
     config = config_from_args(args)  # raises with the field name
     ks = {layer.sparsity_k for layer in config.layer_layout.layers if layer.is_sparse}
+    if ks and args.reset_attention_mask:
+        raise ValueError("reset_attention_mask: routed layers attend causally over the routed subsequence and do "
+                         "not apply per-document masks; train without --reset-attention-mask")
     for k in ks:
         if args.seq_length % k:
             raise ValueError(f"seq_length: {args.seq_length} is not divisible by sparsity K={k} (top-k routes exactly L/K tokens)")
     if not args.mock_data:
         paths = [p for p in (args.data_path or []) + (args.train_data_path or []) if not _is_number(p)]
+        held_out = [p for p in (args.valid_data_path or []) + (args.test_data_path or []) if not _is_number(p)]
         if not paths and not args.per_split_data_args_path and not args.data_args_path:
             raise ValueError("data_path: no training data given (--data-path PREFIX or --train-data-path PREFIX)")
-        for prefix in paths:
+        for prefix in paths + held_out:
             if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
                 raise FileNotFoundError(f"data_path: no Megatron dataset at {prefix!r} (expected .bin and .idx; "
                                         "make one with `xmod preprocess`)")

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 import pytest
 
-from megatron_xmod.routing import (jaccard_tensor, route, router_bce_loss, select_topk, topk_count,
+from megatron_xmod.routing import (jaccard_tensor, padded_selection, route, router_bce_loss, select_topk, topk_count,
                                    update_token_choice_bias)
 
 
@@ -58,3 +58,14 @@ def test_jaccard():
     b = torch.tensor([True, False, True, False])
     assert jaccard_tensor(a, b).item() == pytest.approx(1 / 3)
     assert jaccard_tensor(a & False, b & False).item() == 1.0
+
+
+def test_padded_selection_keeps_all_selected_sorted_and_marks_padding():
+    selected = torch.tensor([[0, 1, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    indices, valid = padded_selection(selected)
+    assert indices.shape == (3, 3)  # the longest column selects 3
+    assert torch.all(indices[1:] > indices[:-1])
+    assert indices[:, 1].tolist() == [0, 2, 3] and valid[:, 1].all()
+    assert indices[:, 0].tolist() == [0, 1, 3] and valid[:, 0].tolist() == [False, True, True]
+    assert not valid[:, 2].any()
+    assert padded_selection(torch.zeros(4, 2, dtype=torch.bool)) == (None, None)

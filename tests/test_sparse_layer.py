@@ -20,8 +20,8 @@ def make_config(**fields):
                       xmod_routing_family=fields.pop("family", "xmod"), xmod_layout="S4 + D", **fields)
 
 
-def make_layer(config, sparsity_k=4, family="xmod"):
-    spec = ModuleSpec(module=XModSparseLayer, submodules=get_layer_submodules(config, False),
+def make_layer(config, sparsity_k=4, family="xmod", submodules=None):
+    spec = ModuleSpec(module=XModSparseLayer, submodules=submodules or get_layer_submodules(config, False),
                       params=dict(sparsity_k=sparsity_k, routing_family=family))
     layer = build_module(spec, config=config, layer_number=1)
     with torch.no_grad():  # random, not-small weights everywhere (norm weights too)
@@ -92,10 +92,15 @@ def reference_layer(w, x, family, sparsity_k, rule):
 
 # ---------------------------------------------------------------- tests
 @pytest.mark.parametrize("family", ["xmod", "mod"])
-@pytest.mark.parametrize("rule", ["topk", "threshold"])
-def test_sparse_layer_matches_reference(seeded, family, rule):
+@pytest.mark.parametrize("rule, core", [("topk", "sdpa"), ("threshold", "sdpa"), ("threshold", "megatron")])
+def test_sparse_layer_matches_reference(seeded, family, rule, core):
+    """threshold + sdpa: padded batch with a mask; threshold + megatron's own core attention (which
+    only knows its causal mask type): sequence by sequence."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+
     config = make_config(family=family)
-    layer = make_layer(config, family=family)
+    submodules = None if core == "sdpa" else get_gpt_layer_local_submodules(qk_layernorm=True, normalization="RMSNorm")
+    layer = make_layer(config, family=family, submodules=submodules)
     layer.train(rule == "topk")
     x = torch.randn(16, 3, HIDDEN)
     out, _ = layer(x, rotary_pos_emb=rope_freqs(16))
@@ -105,6 +110,8 @@ def test_sparse_layer_matches_reference(seeded, family, rule):
     routed = (out != x).any(-1)
     if rule == "topk":
         assert routed.sum(0).tolist() == [4, 4, 4]  # exactly L/K per sequence
+    else:  # sequences route different numbers of tokens, so padding was exercised
+        assert len(set(routed.sum(0).tolist())) > 1
     # non-routed tokens pass through bit-identical
     assert torch.equal(out[~routed], x[~routed])
 
