@@ -43,6 +43,8 @@ def register(subparsers) -> None:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--eval-interval", type=int, default=40)
+    p.add_argument("--eval-iters", type=int, default=2, help="per periodic validation (the curve)")
+    p.add_argument("--final-eval-iters", type=int, default=16, help="for the table: the same batches for every model")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--models", default="dense,mod,xmod", help="comma-separated subset of dense,mod,xmod")
     p.add_argument("--tokenizer", default="sentencepiece", choices=("sentencepiece", "gpt2"),
@@ -70,44 +72,60 @@ def equal_flops_iterations(dense_iters: int, seq_length: int) -> dict[str, int]:
     return iters
 
 
-def _train(name: str, iters: int, args, corpus_args: list[str], out: Path) -> Path:
+def _launch(command: list[str], log_path: Path, total: int, desc: str) -> str:
+    """Run one entry-point process, log its output, show a progress bar; returns the output."""
     from tqdm import tqdm
 
-    family, layout = MODELS[name]
-    run_dir = out / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
-               "-m", "megatron_xmod.pretrain", "--xmod-routing-family", family, "--xmod-layout", layout,
-               *DEMO_ARCH, *CPU_FLAGS, *corpus_args,
-               "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
-               "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
-               "--train-iters", str(iters), "--lr", str(args.lr), "--xmod-paper-schedule",
-               "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
-               "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
-               "--log-interval", "1", "--eval-interval", str(args.eval_interval),
-               "--tensorboard-dir", str(run_dir / "tb"), "--save", str(run_dir / "ckpt"),
-               "--save-interval", str(iters)]
     env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1))
-    log_path = run_dir / "train.log"
-    pattern = re.compile(r"iteration\s+(\d+)/\s*(\d+)")
-    with open(log_path, "w") as log, tqdm(total=iters, desc=f"{name:>5} ({layout})", unit="it") as bar:
+    pattern = re.compile(r"iteration\s+(\d+)/\s*(\d+)|Evaluating iter (\d+)/")
+    lines = []
+    with open(log_path, "w") as log, tqdm(total=total, desc=desc, unit="it") as bar:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for line in process.stdout:
             log.write(line)
+            lines.append(line)
             match = pattern.search(line)
             if match:
-                bar.update(int(match.group(1)) - bar.n)
+                bar.update(min(total, int(match.group(1) or match.group(3))) - bar.n)
         if process.wait() != 0:
-            raise RuntimeError(f"{name}: training failed (exit {process.returncode}); see {log_path}")
+            raise RuntimeError(f"{desc}: failed (exit {process.returncode}); see {log_path}")
+    return "".join(lines)
+
+
+def _train(name: str, iters: int, args, corpus_args: list[str], out: Path) -> Path:
+    """Train with periodic validation (the curve), then evaluate the final checkpoint once more with
+    ``--skip-train --load``: megatron then reads the held-out sets from their start, so every model is
+    scored on the same sequences (paired, like the paper's shared validation shards)."""
+    family, layout = MODELS[name]
+    run_dir = out / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    common = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+              "-m", "megatron_xmod.pretrain", "--xmod-routing-family", family, "--xmod-layout", layout,
+              *DEMO_ARCH, *CPU_FLAGS, *corpus_args,
+              "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
+              "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
+              "--train-iters", str(iters), "--lr", str(args.lr), "--xmod-paper-schedule",
+              "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
+              "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
+              "--log-interval", "1", "--eval-interval", str(args.eval_interval)]
+    _launch(common[:4] + [f"--master_port={_free_port()}"] + common[4:]
+            + ["--eval-iters", str(args.eval_iters), "--tensorboard-dir", str(run_dir / "tb"),
+               "--save", str(run_dir / "ckpt"), "--save-interval", str(iters)],
+            run_dir / "train.log", iters, f"{name:>5} train ({layout})")
+    _launch(common[:4] + [f"--master_port={_free_port()}"] + common[4:]
+            + ["--eval-iters", str(args.final_eval_iters), "--skip-train", "--load", str(run_dir / "ckpt")],
+            run_dir / "eval.log", args.final_eval_iters, f"{name:>5} eval")
     return run_dir
 
 
-def _validation_tag(tags: dict, key: str) -> dict[int, float]:
-    """megatron names it "<key> validation", or "<key> validation-0" with --multiple-validation-sets."""
-    for tag in (f"{key} validation", f"{key} validation-0"):
-        if tag in tags:
-            return tags[tag]
-    return {}
+def _final_evaluation(log: str) -> dict:
+    """megatron's summary line of the --skip-train evaluation on the validation set."""
+    line = re.search(r"on validation set \|(.*)", log)
+    if not line:
+        raise RuntimeError("final evaluation: no 'on validation set' line in eval.log")
+    values = {key.strip(): value for key, value in re.findall(r"([a-z -]+?) value: ([0-9.E+-]+)", line.group(1))}
+    topk = values.get("lm loss topk routing")
+    return {"val_loss_threshold": float(values["lm loss"]), "val_loss_topk": float(topk) if topk else None}
 
 
 def read_run(run_dir: Path) -> dict:
@@ -124,15 +142,14 @@ def read_run(run_dir: Path) -> dict:
     params = re.findall(r"number of parameters on \(tensor.*?\): (\d+)", log)
     last = max(tags["tokens seen"])
     flops_at = tags["training flops"]
-    validation = _validation_tag(tags, "lm loss")
+    validation = tags["lm loss validation"]
     curve = [(flops_at[step], loss) for step, loss in sorted(validation.items()) if step in flops_at]
     return {
         "total_params": int(params[-1]) if params else None,
         "forward_flops_per_token": tags["forward flops per token"][last],
         "tokens_seen": tags["tokens seen"][last],
         "training_flops": flops_at[last],
-        "val_loss_threshold": validation[max(validation)],
-        "val_loss_topk": _validation_tag(tags, "lm loss topk routing").get(max(validation)),
+        **_final_evaluation((run_dir / "eval.log").read_text()),
         "curve": curve,
     }
 
@@ -160,10 +177,8 @@ def run(args) -> int:
     unknown = set(names) - set(MODELS)
     if unknown:
         raise ValueError(f"models: {sorted(unknown)} not in {', '.join(MODELS)}")
-    # Validation is the whole of two held-out plays at every evaluation (--full-validation), so all
-    # points of all models are measured on the same tokens: paired, like the paper's shared shards.
-    data_args = ["--train-data-path", corpus["train"], "--valid-data-path", corpus["test"], "--full-validation",
-                 "--multiple-validation-sets",  # megatron 0.19.2 indexes eval_iters as a list only in this mode
+    data_args = ["--train-data-path", corpus["train"], "--valid-data-path", corpus["valid"],
+                 "--test-data-path", corpus["test"],
                  *megatron_tokenizer_args(args.tokenizer, corpus.get("tokenizer_model"))]
     print(f"[demo] equal training FLOPs: iterations {', '.join(f'{n}={iterations[n]}' for n in names)}")
     results = {}
@@ -205,8 +220,8 @@ def _print_table(rows: list[dict]) -> None:
         ratio = f"{r['D_over_D_dense']:.2f}" if r["D_over_D_dense"] is not None else "-"
         print(f"{r['model']:<6} {r['layout']:<22} {r['total_params']/1e6:>8.2f}M {r['active_params']/1e6:>8.2f}M "
               f"{r['flops_per_token']:>10.3g} {r['tokens_seen']:>9.0f} {ratio:>6} {r['val_loss_threshold']:>9.4f} {topk:>8}")
-    print("val loss: two held-out plays (The Tempest, Much Ado About Nothing), all tokens, threshold routing "
-          "(deployable); (top-k): the same tokens routed by top-k\n")
+    print("val loss: held-out plays (Julius Caesar, Twelfth Night, Macbeth), the same sequences for every model, "
+          "threshold routing (deployable); (top-k): the same sequences routed by top-k\n")
 
 
 def _plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> Path:

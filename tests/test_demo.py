@@ -19,7 +19,8 @@ def test_demo_runs_and_reports_from_the_runs(tmp_path):
     out = tmp_path / "demo"
     result = subprocess.run(
         [sys.executable, "-m", "megatron_xmod.cli", "demo", "--out", str(out), "--dense-iters", "6",
-         "--seq-length", "64", "--eval-interval", "3", "--models", "dense,xmod"],
+         "--seq-length", "64", "--eval-interval", "3", "--eval-iters", "1",
+         "--final-eval-iters", "2", "--models", "dense,xmod"],
         capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {row["model"]: row for row in json.loads((out / "results.json").read_text())["rows"]}
