@@ -43,7 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--eval-interval", type=int, default=40)
-    p.add_argument("--eval-iters", type=int, default=2, help="per periodic validation (the curve)")
+    p.add_argument("--eval-iters", type=int, default=4, help="per periodic validation (the curve)")
     p.add_argument("--final-eval-iters", type=int, default=16, help="for the table: the same batches for every model")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--models", default="dense,mod,xmod", help="comma-separated subset of dense,mod,xmod")
@@ -72,21 +72,24 @@ def equal_flops_iterations(dense_iters: int, seq_length: int) -> dict[str, int]:
     return iters
 
 
-def _launch(command: list[str], log_path: Path, total: int, desc: str) -> str:
+TRAIN_PROGRESS = re.compile(r"iteration\s+(\d+)/\s*\d+")
+EVAL_PROGRESS = re.compile(r"Evaluating iter (\d+)/")
+
+
+def _launch(command: list[str], log_path: Path, total: int, desc: str, progress: re.Pattern) -> str:
     """Run one entry-point process, log its output, show a progress bar; returns the output."""
     from tqdm import tqdm
 
     env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1))
-    pattern = re.compile(r"iteration\s+(\d+)/\s*(\d+)|Evaluating iter (\d+)/")
     lines = []
     with open(log_path, "w") as log, tqdm(total=total, desc=desc, unit="it") as bar:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for line in process.stdout:
             log.write(line)
             lines.append(line)
-            match = pattern.search(line)
+            match = progress.search(line)
             if match:
-                bar.update(min(total, int(match.group(1) or match.group(3))) - bar.n)
+                bar.update(max(0, min(total, int(match.group(1))) - bar.n))
         if process.wait() != 0:
             raise RuntimeError(f"{desc}: failed (exit {process.returncode}); see {log_path}")
     return "".join(lines)
@@ -111,10 +114,10 @@ def _train(name: str, iters: int, args, corpus_args: list[str], out: Path) -> Pa
     _launch(common[:4] + [f"--master_port={_free_port()}"] + common[4:]
             + ["--eval-iters", str(args.eval_iters), "--tensorboard-dir", str(run_dir / "tb"),
                "--save", str(run_dir / "ckpt"), "--save-interval", str(iters)],
-            run_dir / "train.log", iters, f"{name:>5} train ({layout})")
+            run_dir / "train.log", iters, f"{name:>5} train ({layout})", TRAIN_PROGRESS)
     _launch(common[:4] + [f"--master_port={_free_port()}"] + common[4:]
             + ["--eval-iters", str(args.final_eval_iters), "--skip-train", "--load", str(run_dir / "ckpt")],
-            run_dir / "eval.log", args.final_eval_iters, f"{name:>5} eval")
+            run_dir / "eval.log", args.final_eval_iters, f"{name:>5} eval", EVAL_PROGRESS)
     return run_dir
 
 
@@ -207,7 +210,8 @@ def run(args) -> int:
         })
     _print_table(rows)
     (out / "results.json").write_text(json.dumps({"rows": rows, "curves": {n: results[n]["curve"] for n in names}}, indent=1))
-    plot = _plot({n: results[n]["curve"] for n in names}, out / "val_loss_vs_flops.png")
+    finals = {r["model"]: (r["training_flops"], r["val_loss_threshold"]) for r in rows}
+    plot = _plot({n: results[n]["curve"] for n in names}, finals, out / "val_loss_vs_flops.png")
     print(f"[demo] table: {out / 'results.json'}  plot: {plot}  ({time.time() - started:.0f} s)")
     return 0
 
@@ -224,7 +228,9 @@ def _print_table(rows: list[dict]) -> None:
           "threshold routing (deployable); (top-k): the same sequences routed by top-k\n")
 
 
-def _plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> Path:
+def _plot(curves: dict[str, list[tuple[float, float]]], finals: dict[str, tuple[float, float]], path: Path) -> Path:
+    """Periodic validation (each point on the next held-out batches, as megatron iterates them) and,
+    as a star, the final paired evaluation that the table reports."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,10 +240,12 @@ def _plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> Path:
     for name, curve in curves.items():
         if curve:
             flops, loss = zip(*curve)
-            ax.plot(flops, loss, marker="o", label=f"{name}: {MODELS[name][1]}")
+            line, = ax.plot(flops, loss, marker="o", alpha=0.7, label=f"{name}: {MODELS[name][1]}")
+            ax.plot(*finals[name], marker="*", markersize=14, color=line.get_color(), linestyle="none")
     ax.set_xlabel("training FLOPs (3 x forward, without LM head)")
     ax.set_ylabel("validation loss (threshold routing)")
-    ax.set_title("Dense / MoD / X-MoD at equal training compute")
+    ax.set_title("Dense / MoD / X-MoD at equal training compute\n(* final checkpoint, same held-out sequences for all)",
+                 fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
