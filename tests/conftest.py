@@ -33,3 +33,16 @@ def seeded(megatron_parallel):
 
     metrics.reset()
     yield
+
+
+@pytest.fixture
+def fresh_moe_tracker():
+    """megatron's MoE metrics tracker sizes its per-layer buffers on first use, and the aux-loss
+    scale is created lazily as a 0-d tensor that megatron's schedule later copies a [1] tensor
+    into: start each test with neither."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    destroy_moe_metrics_tracker()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    yield

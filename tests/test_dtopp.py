@@ -11,17 +11,7 @@ from megatron_xmod.moe.config import MoEConfig
 from megatron_xmod.moe.router import DTopPRouter, THRESHOLD_EPS, top_p_routing, update_dtopp_controllers
 
 
-@pytest.fixture(autouse=True)
-def fresh_moe_tracker():
-    """megatron's MoE metrics tracker sizes its per-layer buffers on first use, and the aux-loss
-    scale is created lazily as a 0-d tensor that megatron's schedule later copies a [1] tensor
-    into: start each test with neither."""
-    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    destroy_moe_metrics_tracker()
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_moe_tracker")
 
 
 def reference_top_p(probs: torch.Tensor, p: float):
