@@ -238,3 +238,13 @@ def test_xmod_fit_writes_law_and_plots_and_plan_reads_it(synthetic, tmp_path, ca
     assert abs(json.loads(capsys.readouterr().out)["K"] - 14) <= 2
     assert xmod(["fit", str(path), "--out", str(out), "--holdout", "K"]) == 2
     assert "holdout: must be among" in capsys.readouterr().err
+
+
+def test_planner_points_to_a_trainable_k_when_the_optimum_does_not_divide_l():
+    """Training routes exactly L/K tokens, so K^ = 21 at L = 32768 cannot train as is."""
+    from megatron_xmod.scaling.planner import plan_flops
+
+    plan = plan_flops(get_backbone("556m"), 32768, a_grid=[1.0])
+    assert plan.best.design.K == 21
+    note = [w for w in plan.warnings if "does not divide" in w]
+    assert len(note) == 1 and "the best K that does is K = 16" in note[0]

@@ -132,6 +132,15 @@ def plan_flops(backbone: Backbone, seq_len: int, params: LawParams = TABLE8, a_g
     warnings = []
     if best.design.K == k_max:
         warnings.append(f"K^ = {k_max} is the edge of the search (k_max); the law's optimum may lie beyond it")
+    if seq_len % best.design.K:
+        # Training routes exactly L/K tokens per sequence (routing.topk_count), so such a K cannot train.
+        trainable = [o for o in options if seq_len % o.design.K == 0]
+        alternative = min(trainable, key=lambda o: o.predicted_delta) if trainable else None
+        warnings.append(
+            f"K^ = {best.design.K} does not divide L = {seq_len}; top-k routing needs L/K whole"
+            + (f"; the best K that does is K = {alternative.design.K}, A = {alternative.design.A or 1:g} "
+               f"(predicted Delta {alternative.predicted_delta:+.4f}, layout {alternative.design.layout.notation})"
+               if alternative else ""))
     if best.design.A is not None and len(a_grid) > 1 and best.design.A == max(a_grid):
         warnings.append(f"A^ = {best.design.A:g} is the largest A searched; the law (like the paper's Fig. 2d) "
                         "keeps rewarding larger A, so the optimum is the grid boundary, not a minimum")
