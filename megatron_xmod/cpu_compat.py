@@ -136,7 +136,6 @@ def _install_core() -> None:
 
 
 def _install_training() -> None:
-    import megatron.core.datasets.utils as dataset_utils
     import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
     import megatron.training.training as training
@@ -146,9 +145,8 @@ def _install_training() -> None:
     # 7. initialize._initialize_distributed / _set_random_seed gate on device_count() > 0.
     initialize._initialize_distributed = _with_one_fake_device(initialize._initialize_distributed)
     initialize._set_random_seed = _with_one_fake_device(initialize._set_random_seed)
-    # 8. _compile_dependencies runs `make -C megatron/core/datasets`; the wheel ships the prebuilt
-    #    helpers_cpp extension but no Makefile (this also bites pip-installed GPU runs).
-    dataset_utils.compile_helpers = lambda: None
+    # 8. (not CPU-specific) _compile_dependencies runs `make -C megatron/core/datasets`, which the pip
+    #    wheel cannot do (no Makefile): megatron_xmod.pretrain.main patches it for every device.
     # 9. arguments.py:1414 get_device_arch_version() queries cuda:0 properties when TP/CP > 1,
     #    and arguments.py:1437 wants CUDA_DEVICE_MAX_CONNECTIONS=1.
     arguments.get_device_arch_version = lambda: 0

@@ -17,16 +17,17 @@ import re
 import socket
 import subprocess
 import sys
+import dataclasses
 import time
 from pathlib import Path
 
-DEMO_ARCH = ["--hidden-size", "128", "--ffn-hidden-size", "384", "--num-attention-heads", "4",
-             "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32", "--swiglu",
-             "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--disable-bias-linear",
-             "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--qk-layernorm"]
+from megatron_xmod.presets import Backbone
+
+# Not a paper backbone: small enough for 2 CPU cores, same family (GQA, SwiGLU, RMSNorm, RoPE, QK-norm).
+DEMO_BACKBONE = Backbone("demo", hidden_size=128, head_dim=32, num_attention_heads=4, num_query_groups=2,
+                         ffn_hidden_size=384, num_layers=6, rotary_base=10000)
 CPU_FLAGS = ["--distributed-backend", "gloo", "--no-gradient-accumulation-fusion", "--transformer-impl", "local",
-             "--no-persist-layer-norm", "--no-create-attention-mask-in-dataloader", "--no-rope-fusion",
-             "--use-cpu-initialization"]
+             "--no-persist-layer-norm", "--no-create-attention-mask-in-dataloader", "--use-cpu-initialization"]
 # Activated depth 6 for all three; K = 4 so that routing is visible at a 256-token context.
 MODELS = {
     "dense": ("dense", "D*6"),
@@ -60,16 +61,7 @@ def _free_port() -> int:
 
 
 def equal_flops_iterations(dense_iters: int, seq_length: int) -> dict[str, int]:
-    from megatron_xmod.accounting import count_model
-    from megatron_xmod.layout import parse_layout
-    from megatron_xmod.presets import Backbone
-
-    backbone = Backbone("demo", 128, 32, 4, 2, 384, num_layers=6)
-    iters = {}
-    for name, (family, layout) in MODELS.items():
-        count = count_model(backbone, parse_layout(layout), seq_length, family=family)
-        iters[name] = max(1, round(dense_iters * count.tokens_ratio_vs_dense))
-    return iters
+    return {name: max(1, round(dense_iters * _accounting(name, seq_length).tokens_ratio_vs_dense)) for name in MODELS}
 
 
 TRAIN_PROGRESS = re.compile(r"iteration\s+(\d+)/\s*\d+")
@@ -99,12 +91,14 @@ def _train(name: str, iters: int, args, corpus_args: list[str], out: Path) -> Pa
     """Train with periodic validation (the curve), then evaluate the final checkpoint once more with
     ``--skip-train --load``: megatron then reads the held-out sets from their start, so every model is
     scored on the same sequences (paired, like the paper's shared validation shards)."""
+    from megatron_xmod.pretrain import backbone_flags
+
     family, layout = MODELS[name]
     run_dir = out / name
     run_dir.mkdir(parents=True, exist_ok=True)
     common = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
               "-m", "megatron_xmod.pretrain", "--xmod-routing-family", family, "--xmod-layout", layout,
-              *DEMO_ARCH, *CPU_FLAGS, *corpus_args,
+              *backbone_flags(DEMO_BACKBONE), *CPU_FLAGS, *corpus_args,
               "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
               "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
               "--train-iters", str(iters), "--lr", str(args.lr), "--xmod-paper-schedule",
@@ -157,13 +151,13 @@ def read_run(run_dir: Path) -> dict:
     }
 
 
-def _accounting(name: str, vocab_size: int, seq_length: int):
+def _accounting(name: str, seq_length: int, vocab_size: int = DEMO_BACKBONE.vocab_size):
+    """FLOPs/token (vocabulary-free: no LM head) and parameters of one demo model."""
     from megatron_xmod.accounting import count_model
     from megatron_xmod.layout import parse_layout
-    from megatron_xmod.presets import Backbone
 
     family, layout = MODELS[name]
-    backbone = Backbone("demo", 128, 32, 4, 2, 384, num_layers=6, vocab_size=vocab_size)
+    backbone = dataclasses.replace(DEMO_BACKBONE, vocab_size=vocab_size)
     return count_model(backbone, parse_layout(layout), seq_length, family=family)
 
 
@@ -196,7 +190,7 @@ def run(args) -> int:
     rows = []
     for name in names:
         r = results[name]
-        counted = _accounting(name, padded_vocab, args.seq_length)
+        counted = _accounting(name, args.seq_length, padded_vocab)
         if counted.total_params != r["total_params"]:
             print(f"[demo] warning: {name}: accounting counts {counted.total_params} parameters, the run built {r['total_params']}")
         rows.append({

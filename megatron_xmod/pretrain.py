@@ -64,6 +64,17 @@ def _preparse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_known_args(argv)[0]
 
 
+def backbone_flags(b) -> list[str]:
+    """megatron's own architecture flags for a :class:`~megatron_xmod.presets.Backbone`."""
+    flags = ["--hidden-size", str(b.hidden_size), "--ffn-hidden-size", str(b.ffn_hidden_size),
+             "--num-attention-heads", str(b.num_attention_heads), "--group-query-attention",
+             "--num-query-groups", str(b.num_query_groups), "--kv-channels", str(b.head_dim),
+             "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--disable-bias-linear",
+             "--position-embedding-type", "rope", "--rotary-base", str(b.rotary_base),
+             "--untie-embeddings-and-output-weights", "--no-rope-fusion"]
+    return flags + (["--qk-layernorm"] if b.qk_layernorm else [])
+
+
 def expand_arguments(argv: list[str]) -> list[str]:
     """Turn ``--xmod-backbone``/``--xmod-model`` and the presets into plain megatron flags.
 
@@ -75,14 +86,7 @@ def expand_arguments(argv: list[str]) -> list[str]:
     if pre.xmod_backbone:
         b = get_backbone(pre.xmod_backbone)
         activated = activated or b.num_layers
-        head += ["--hidden-size", str(b.hidden_size), "--ffn-hidden-size", str(b.ffn_hidden_size),
-                 "--num-attention-heads", str(b.num_attention_heads), "--group-query-attention",
-                 "--num-query-groups", str(b.num_query_groups), "--kv-channels", str(b.head_dim),
-                 "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--disable-bias-linear",
-                 "--position-embedding-type", "rope", "--rotary-base", str(b.rotary_base),
-                 "--untie-embeddings-and-output-weights", "--no-rope-fusion"]
-        if b.qk_layernorm:
-            head.append("--qk-layernorm")
+        head += backbone_flags(b)
     dense_prefix = pre.xmod_dense_prefix
     if pre.xmod_model:
         if pre.xmod_layout:
@@ -250,11 +254,11 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     topk_losses = None
     from megatron.training import get_args
 
-    if (not model.training and not get_args().xmod_no_topk_validation
-            and parallel_state.get_pipeline_model_parallel_world_size() == 1 and sparse_layers(model)):
+    routed = [] if model.training or get_args().xmod_no_topk_validation else sparse_layers(model)
+    if routed and parallel_state.get_pipeline_model_parallel_world_size() == 1:
         # Validation reports the deployable threshold rule; the same batch under top-k routing is
         # the comparison the paper's Table 10 makes.
-        rule = sparse_layers(model)[0].config.xmod_eval_routing
+        rule = routed[0].config.xmod_eval_routing
         set_eval_routing(model, "topk" if rule == "threshold" else "threshold")
         with torch.no_grad():
             topk_losses = model(tokens, position_ids, attention_mask, labels=labels)

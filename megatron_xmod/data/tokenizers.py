@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import tempfile
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 TOKENIZER_KINDS = ("gpt2", "sentencepiece", "bytes")
@@ -85,18 +86,18 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """Common interface; subclasses set ``name``, ``vocab_size`` and ``eod``."""
 
     name: str
     vocab_size: int
     eod: int
 
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def decode(self, ids) -> str: ...
 
     def identity(self) -> str:
         """A string that changes whenever the id mapping could change (for cache stamps)."""

@@ -105,6 +105,20 @@ def _delta(p: LawParams, d: Design, seq_len: int) -> float:
     return float(predict_delta(p, d.count.active_params, d.capacity_ratio, seq_len, d.K, d.A or 1.0))
 
 
+def _candidate(backbone: Backbone, K: int, A, seq_len: int, dense_prefix: int, max_total_params,
+               infeasible: list, over: list, layout=None):
+    """The design for (K, A), or None after recording why it is out (no whole layout, over the cap)."""
+    try:
+        d = design(backbone, K, A, seq_len, dense_prefix, layout=layout)
+    except LayoutError as err:
+        infeasible.append({"K": K, "A": A, "reason": str(err)})
+        return None
+    if max_total_params is not None and d.count.total_params > max_total_params:
+        over.append({"K": K, "A": A, "total_params": d.count.total_params})
+        return None
+    return d
+
+
 def plan_flops(backbone: Backbone, seq_len: int, params: LawParams = TABLE8, a_grid: Sequence[float] = PAPER_A_GRID,
                k_max: int = 64, dense_prefix: int = 4, max_total_params: Optional[float] = None) -> Plan:
     if seq_len < 1:
@@ -116,15 +130,9 @@ def plan_flops(backbone: Backbone, seq_len: int, params: LawParams = TABLE8, a_g
     options, infeasible, over = [], [], []
     for K in range(1, k_max + 1):
         for A in ([None] if K == 1 else a_grid):
-            try:
-                d = design(backbone, K, A, seq_len, dense_prefix)
-            except LayoutError as err:
-                infeasible.append({"K": K, "A": A, "reason": str(err)})
-                continue
-            if max_total_params is not None and d.count.total_params > max_total_params:
-                over.append({"K": K, "A": A, "total_params": d.count.total_params})
-                continue
-            options.append(Option(d, _delta(params, d, seq_len)))
+            d = _candidate(backbone, K, A, seq_len, dense_prefix, max_total_params, infeasible, over)
+            if d is not None:
+                options.append(Option(d, _delta(params, d, seq_len)))
     if not options:
         raise ValueError("max_total_params: no candidate fits; even the dense model has "
                          f"{design(backbone, 1, None, seq_len).count.total_params:,} parameters")
@@ -215,13 +223,9 @@ def plan_wallclock(backbone: Backbone, seq_len: int, throughput_path: str, dense
         K = number(row, "K", where, integer=True)
         A = None if K == 1 else number(row, "A", where)
         tps = number(row, "tokens_per_s", where)
-        try:
-            d = design(backbone, K, A, seq_len, dense_prefix, layout=row.get("layout") or None)
-        except LayoutError as err:
-            infeasible.append({"K": K, "A": A, "reason": str(err)})
-            continue
-        if max_total_params is not None and d.count.total_params > max_total_params:
-            over.append({"K": K, "A": A, "total_params": d.count.total_params})
+        d = _candidate(backbone, K, A, seq_len, dense_prefix, max_total_params, infeasible, over,
+                       layout=row.get("layout") or None)
+        if d is None:
             continue
         delta = _delta(params, d, seq_len)
         tokens = tps * hours * 3600
