@@ -1,9 +1,11 @@
-"""Parameter and FLOP accounting for Dense / MoD / X-MoD models, read from the per-layer layout.
+"""Parameter and FLOP accounting of every model the plugin builds, read from its :class:`ModelDescription`.
 
-Conventions (the paper's, checked against Table 6 of seed 000):
+Conventions (the X-MoD paper's, checked against its Table 6):
 - parameters: untied input and output embeddings of ``vocab_size`` rows (50257, unpadded);
 - activated-equivalent parameters (Eq.4/5): a sparse layer counts 1/K of its parameters, since a
   token passes through it with probability 1/K; the router sees every token and counts fully;
+  an MoE layer counts its router, its shared experts and the routed experts a token activates
+  (T on average for DTop-p); the expert bias of the baselines is a buffer, not a parameter;
 - forward FLOPs per token (Eq.24/25 made exact): 2 x activated non-embedding matmul parameters
   + 4 * L * (heads * head_dim) * sum over layers of (fraction routed * keys attended / L),
   attention counted at full length L (non-causal) and without the LM head;
@@ -13,17 +15,24 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from fractions import Fraction
+from typing import NamedTuple, Optional
 
-from megatron_xmod.layout import Layout, LayerSpec, parse_layout
-from megatron_xmod.presets import Backbone
+from megatron_xmod.layout import Layout, LayoutLayer, parse_layout
+from megatron_xmod.moe.presets import MoEModel
+from megatron_xmod.presets import Backbone, ModelDescription, parse_model
+
+
+def attention_matmul_params(b: Backbone) -> int:
+    qkv = b.hidden_size * (b.attention_dim + 2 * b.num_query_groups * b.head_dim)
+    return qkv + b.attention_dim * b.hidden_size
+
+
+def mlp_matmul_params(b: Backbone, ffn_hidden_size: int) -> int:
+    return 3 * b.hidden_size * ffn_hidden_size  # SwiGLU: fc1 (d -> 2 ffn) + fc2 (ffn -> d)
 
 
 def layer_matmul_params(b: Backbone) -> int:
-    qkv = b.hidden_size * (b.attention_dim + 2 * b.num_query_groups * b.head_dim)
-    proj = b.attention_dim * b.hidden_size
-    swiglu_fc1 = b.hidden_size * 2 * b.ffn_hidden_size
-    fc2 = b.ffn_hidden_size * b.hidden_size
-    return qkv + proj + swiglu_fc1 + fc2
+    return attention_matmul_params(b) + mlp_matmul_params(b, b.ffn_hidden_size)
 
 
 def layer_norm_params(b: Backbone) -> int:
@@ -31,22 +40,40 @@ def layer_norm_params(b: Backbone) -> int:
 
 
 def router_params(b: Backbone, family: str) -> int:
-    """Router d->1 with bias; X-MoD adds the per-layer gate scale (varsigma)."""
+    """Router d->1 with bias; X-MoD adds the per-layer gate scale (varsigma), MoD has none."""
     return b.hidden_size + 1 + (1 if family == "xmod" else 0)
-
-
-def layer_params(b: Backbone, spec: LayerSpec, family: str = "xmod") -> int:
-    return layer_matmul_params(b) + layer_norm_params(b) + (router_params(b, family) if spec.is_sparse else 0)
 
 
 def embedding_params(b: Backbone) -> int:
     return 2 * b.vocab_size * b.hidden_size + b.hidden_size  # input + untied output + final norm
 
 
-def _family(layout: Layout, family: str | None) -> str:
-    if family:
-        return family
-    return "xmod" if layout.num_sparse_layers else "dense"
+class LayerCount(NamedTuple):
+    total: Fraction  # parameters
+    active: Fraction  # activated-equivalent parameters
+    active_matmul: Fraction  # matmul parameters a token passes through (x 2 = forward FLOPs)
+    attention_units: Fraction  # fraction routed * fraction of keys attended
+
+
+def count_layer(b: Backbone, layer: LayoutLayer, family: str, moe: Optional[MoEModel] = None) -> LayerCount:
+    norms = layer_norm_params(b)
+    if moe is not None:
+        if moe.active_routed is None:
+            raise ValueError(f"model: {moe.name}: a fixed-threshold Top-p model has no set number of active experts")
+        expert = mlp_matmul_params(b, moe.expert_ffn_size(b.ffn_hidden_size))
+        router = moe.routed_experts * b.hidden_size
+        temperature = 1 if moe.router_type == "dtopp" else 0  # DRN's theta_l
+        active_matmul = attention_matmul_params(b) + router + Fraction(moe.active_routed) * expert + moe.shared_experts * expert
+        total = attention_matmul_params(b) + norms + router + temperature + (moe.routed_experts + moe.shared_experts) * expert
+        return LayerCount(Fraction(total), active_matmul + norms + temperature, active_matmul, Fraction(1))
+    matmul = layer_matmul_params(b)
+    if not layer.is_sparse:
+        return LayerCount(Fraction(matmul + norms), Fraction(matmul + norms), Fraction(matmul), Fraction(1))
+    routed = layer.routed_fraction
+    router = router_params(b, family)
+    return LayerCount(Fraction(matmul + norms + router), routed * (matmul + norms) + router,
+                      routed * matmul + b.hidden_size,  # every token is scored by the router
+                      routed * routed)
 
 
 @dataclass(frozen=True)
@@ -68,43 +95,45 @@ class ModelCount:
         return asdict(self)
 
 
-def forward_flops_per_token(b: Backbone, layout: Layout, seq_len: int) -> float:
-    matmul = layer_matmul_params(b)
-    activated_matmul = Fraction(0)
-    attention_units = Fraction(0)  # sum of routed fraction * (keys attended / L)
-    for spec in layout.layers:
-        activated_matmul += spec.routed_fraction * matmul
-        if spec.is_sparse:
-            activated_matmul += b.hidden_size  # every token is scored by the router
-        attention_units += spec.routed_fraction * spec.routed_fraction
-    return float(2 * activated_matmul + 4 * seq_len * b.attention_dim * attention_units)
+def _sum_layers(b: Backbone, layout: Layout, moe: Optional[MoEModel]) -> LayerCount:
+    layers = [count_layer(b, layer, layout.family, moe) for layer in layout.layers]
+    return LayerCount(*(sum(column, Fraction(0)) for column in zip(*layers)))
 
 
-def count_model(b: Backbone, layout: Layout | str, seq_len: int, family: str | None = None) -> ModelCount:
-    if isinstance(layout, str):
-        layout = parse_layout(layout)
+def _forward_flops(b: Backbone, totals: LayerCount, seq_len: int) -> float:
+    return float(2 * totals.active_matmul + 4 * seq_len * b.attention_dim * totals.attention_units)
+
+
+def count(model: ModelDescription, seq_len: int) -> ModelCount:
+    """Parameters and FLOPs of ``model``; the dense reference is the backbone's dense model."""
     if seq_len < 1:
         raise ValueError(f"seq_len: must be >= 1, got {seq_len}")
-    family = _family(layout, family)
-    total = embedding_params(b) + sum(layer_params(b, s, family) for s in layout.layers)
-    active = embedding_params(b) + sum(
-        spec.routed_fraction * (layer_matmul_params(b) + layer_norm_params(b))
-        + (router_params(b, family) if spec.is_sparse else 0)
-        for spec in layout.layers
-    )
-    flops = forward_flops_per_token(b, layout, seq_len)
-    dense_flops = forward_flops_per_token(b, parse_layout(f"D*{b.num_layers}"), seq_len)
+    b, layout, moe = model.backbone, model.layout, model.moe
+    totals = _sum_layers(b, layout, moe)
+    flops = _forward_flops(b, totals, seq_len)
+    dense_flops = _forward_flops(b, _sum_layers(b, parse_layout(f"D*{b.num_layers}"), None), seq_len)
+    notation = layout.notation
+    if moe is not None:
+        d_e = moe.expert_ffn_size(b.ffn_hidden_size)
+        notation = f"MoE {moe.active_routed:g}:{moe.routed_experts}+{moe.shared_experts} d_e={d_e} ({moe.router_type})"
     return ModelCount(
         backbone=b.name,
-        layout=layout.notation,
+        layout=notation,
         seq_len=seq_len,
         num_layers=layout.num_layers,
         num_sparse_layers=layout.num_sparse_layers,
         activated_depth=float(layout.activated_depth),
-        total_params=int(total),
-        active_params=int(round(active)),
+        total_params=int(embedding_params(b) + totals.total),
+        active_params=int(round(embedding_params(b) + totals.active)),
         flops_per_token=flops,
         dense_flops_per_token=dense_flops,
         flops_ratio_vs_dense=flops / dense_flops,
         tokens_ratio_vs_dense=dense_flops / flops,
     )
+
+
+def count_model(b: Backbone, model: str | Layout, seq_len: int, dense_prefix: int = 4) -> ModelCount:
+    """:func:`count` of a model name or layout (see :func:`~megatron_xmod.presets.parse_model`) on ``b``."""
+    if isinstance(model, Layout):
+        return count(ModelDescription(model.notation, b, model), seq_len)
+    return count(parse_model(model, b, dense_prefix=dense_prefix), seq_len)

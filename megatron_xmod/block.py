@@ -17,7 +17,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from megatron_xmod.attention import SDPAttention
 from megatron_xmod.config import XModConfig
-from megatron_xmod.layers import TokenChoiceBiasCarry, XModSparseLayer
+from megatron_xmod.layers import XModSparseLayer
 
 
 def transformer_engine_available() -> bool:
@@ -41,13 +41,13 @@ def get_layer_submodules(config: XModConfig, use_transformer_engine: bool) -> Tr
 
 
 def get_xmod_decoder_layer_specs(config: XModConfig, use_transformer_engine: bool) -> list[ModuleSpec]:
+    """One layer spec per layout position; a sparse layer's routing settings are its spec params
+    (data only: the routing state is attached to the built model, see :mod:`megatron_xmod.routing_state`)."""
     submodules = get_layer_submodules(config, use_transformer_engine)
-    # One carry per built block: the sparse layers of this model chunk hand b along through it.
-    bias_carry = TokenChoiceBiasCarry()
     specs = []
     for layer in config.layer_layout.layers:
         if layer.is_sparse:
-            params = dict(sparsity_k=layer.sparsity_k, routing_family=config.xmod_routing_family, bias_carry=bias_carry)
+            params = dict(routing=config.sparse_layer_routing(layer))
             specs.append(ModuleSpec(module=XModSparseLayer, params=params, submodules=submodules))
         else:
             specs.append(ModuleSpec(module=TransformerLayer, submodules=submodules))

@@ -1,19 +1,20 @@
-"""X-MoD / MoD options on top of megatron's ``TransformerConfig``: the single source of truth.
+"""X-MoD / MoD options on top of megatron's ``TransformerConfig``: the convenient front door.
 
 Everything that shapes the routed model is a field here; :attr:`XModConfig.layer_layout` is the
-resolved per-layer list that the block spec and the accounting read.
+resolved layout (per-layer list and routing family) that the block spec and the accounting read,
+and :meth:`XModConfig.sparse_layer_routing` fills the per-layer settings that travel in the layer
+specs (so a sparse layer itself needs no more than megatron's ``TransformerConfig``).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_xmod.layout import Layout, resolve_layout
-
-EVAL_ROUTING_RULES = ("threshold", "topk")
+from megatron_xmod.layout import Layout, LayoutLayer, resolve_layout
+from megatron_xmod.routing import SparseLayerRouting
+from megatron_xmod.routing_state import check_eval_rule
 
 
 @dataclass
@@ -58,7 +59,8 @@ class XModConfig(TransformerConfig):
     scales each branch by the physical depth."""
 
     xmod_eval_routing: str = "threshold"
-    """Routing rule in eval mode: threshold (deployable, causal) or topk (for comparison)."""
+    """Routing rule in eval mode when the model is built: threshold (deployable, causal) or topk (for
+    comparison). The built model keeps it in its routing state (``routing_state.set_eval_routing``)."""
 
     layer_layout: Optional[Layout] = field(default=None, init=False, repr=False)
 
@@ -80,40 +82,48 @@ class XModConfig(TransformerConfig):
             layout=self.xmod_layout,
             activated_depth=activated,
         )
-        for name in ("xmod_token_choice_bias_tau", "xmod_token_choice_bias_increment", "xmod_router_bce_coeff"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
-        if not (math.isfinite(self.xmod_gate_scale_init) and self.xmod_gate_scale_init > 0):
-            raise ValueError(
-                f"xmod_gate_scale_init: must be > 0 (0 would cut the gradient of the router and of the "
-                f"layer), got {self.xmod_gate_scale_init!r}"
-            )
-        if self.xmod_eval_routing not in EVAL_ROUTING_RULES:
-            raise ValueError(f"xmod_eval_routing: {self.xmod_eval_routing!r} is not one of {', '.join(EVAL_ROUTING_RULES)}")
+        check_eval_rule(self.xmod_eval_routing)
         if family == "mod" and self.xmod_anchor_stride is not None:
             raise ValueError("xmod_anchor_stride: MoD has no anchor stride (it alternates sparse and dense)")
         if self.layer_layout.num_sparse_layers == 0:
             return
+        # Validates tau, increment, BCE coefficient and gate init, naming the xmod_* field.
+        self.sparse_layer_routing(next(layer for layer in self.layer_layout.layers if layer.is_sparse))
         # Sparse layers carry router/gate parameters that dense layers lack, so the checkpoint
         # cannot stack "layers.*" into one tensor per name: save them layer by layer.
         self.hetereogenous_dist_checkpoint = True
-        # Routing needs every token of a sequence on this rank to rank them (top-k over L).
-        if self.sequence_parallel:
-            raise ValueError("sequence_parallel: routed layers rank tokens over the whole sequence; set sequence_parallel=False")
-        if self.context_parallel_size > 1:
-            raise ValueError(
-                f"context_parallel_size: routed layers rank tokens over the whole sequence; must be 1, got {self.context_parallel_size}"
-            )
-        if self.apply_rope_fusion:
-            raise ValueError(
-                "apply_rope_fusion: routed layers apply RoPE at per-sequence gathered positions, which the "
-                "fused kernel does not support; set apply_rope_fusion=False (--no-rope-fusion)"
-            )
+        check_routing_compatibility(self)
         if self.recompute_granularity == "full" and self.xmod_token_choice_bias_tau > 0:
             raise ValueError(
                 "recompute_granularity: 'full' replays layers out of order, but the token-choice bias is "
                 "carried from layer to layer; use 'selective' or set xmod_token_choice_bias_tau=0"
             )
-        if self.num_moe_experts is not None:
-            raise ValueError("num_moe_experts: MoE feed-forward inside routed layers is not supported")
+
+    def sparse_layer_routing(self, layer: LayoutLayer) -> SparseLayerRouting:
+        """The spec params of the sparse layer at ``layer`` of this config's layout."""
+        return SparseLayerRouting(
+            family=self.layer_layout.family, sparsity_k=layer.sparsity_k,
+            token_choice_bias_tau=self.xmod_token_choice_bias_tau,
+            token_choice_bias_increment=self.xmod_token_choice_bias_increment,
+            router_bce_coeff=self.xmod_router_bce_coeff, gate_scale_init=self.xmod_gate_scale_init,
+            block=layer.block, index_in_block=layer.index_in_block,
+        )
+
+
+def check_routing_compatibility(config: TransformerConfig) -> None:
+    """Reject the megatron options a routed layer cannot run with, by field name; any
+    ``TransformerConfig`` (a sparse layer checks the config it is built with)."""
+    # Routing needs every token of a sequence on this rank to rank them (top-k over L).
+    if config.sequence_parallel:
+        raise ValueError("sequence_parallel: routed layers rank tokens over the whole sequence; set sequence_parallel=False")
+    if config.context_parallel_size > 1:
+        raise ValueError(
+            f"context_parallel_size: routed layers rank tokens over the whole sequence; must be 1, got {config.context_parallel_size}"
+        )
+    if config.apply_rope_fusion:
+        raise ValueError(
+            "apply_rope_fusion: routed layers apply RoPE at per-sequence gathered positions, which the "
+            "fused kernel does not support; set apply_rope_fusion=False (--no-rope-fusion)"
+        )
+    if config.num_moe_experts is not None:
+        raise ValueError("num_moe_experts: MoE feed-forward inside routed layers is not supported")

@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import json
 
-from megatron_xmod.accounting import count_model
-from megatron_xmod.layout import layout_from_model_name
-from megatron_xmod.moe.accounting import count_moe_model
-from megatron_xmod.moe.presets import is_moe_model_name
-from megatron_xmod.presets import BACKBONES, get_backbone
+from megatron_xmod.accounting import count
+from megatron_xmod.presets import BACKBONES, get_backbone, parse_model
 
 
 def register(subparsers) -> None:
@@ -31,12 +28,7 @@ def run(args) -> int:
     models = args.model or ["dense", "mod", "xmod-a4k8", "xmod-a3k16"]
     rows = []
     for model in models:
-        if is_moe_model_name(model):
-            row = count_moe_model(backbone, model, args.seq_len).to_dict()
-            rows.append(dict(model=model, **row))
-            continue
-        layout = layout_from_model_name(model, activated_depth=backbone.num_layers, dense_prefix=args.dense_prefix)
-        row = count_model(backbone, layout, args.seq_len).to_dict()
+        row = count(parse_model(model, backbone, dense_prefix=args.dense_prefix), args.seq_len).to_dict()
         rows.append(dict(model=model, **row))
     if args.json:
         for row in rows:

@@ -91,7 +91,7 @@ def _train(name: str, iters: int, args, corpus_args: list[str], out: Path) -> Pa
     """Train with periodic validation (the curve), then evaluate the final checkpoint once more with
     ``--skip-train --load``: megatron then reads the held-out sets from their start, so every model is
     scored on the same sequences (paired, like the paper's shared validation shards)."""
-    from megatron_xmod.pretrain import backbone_flags
+    from megatron_xmod.presets import backbone_flags
 
     family, layout = MODELS[name]
     run_dir = out / name
@@ -158,7 +158,7 @@ def _accounting(name: str, seq_length: int, vocab_size: int = DEMO_BACKBONE.voca
 
     family, layout = MODELS[name]
     backbone = dataclasses.replace(DEMO_BACKBONE, vocab_size=vocab_size)
-    return count_model(backbone, parse_layout(layout), seq_length, family=family)
+    return count_model(backbone, parse_layout(layout, family), seq_length)
 
 
 def run(args) -> int:

@@ -14,54 +14,44 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_xmod import metrics
-from megatron_xmod.permute import gather_tokens, scatter_gated
 from megatron_xmod.attention import SDPAttention
-from megatron_xmod.routing import jaccard_tensor, padded_selection, route, router_bce_loss, update_token_choice_bias
-
-
-class TokenChoiceBiasCarry:
-    """Hands the token-choice bias b (Eq.8) from one sparse layer to the next within a forward pass.
-
-    One object is shared by all sparse layers built from one block spec. A layer takes the carried
-    bias only from the layer directly before it (layer_number - 1): consecutive sparse layers of a
-    block are adjacent, so an anchor in between, or the start of the next forward pass, resets b.
-    """
-
-    def __init__(self):
-        self.layer_number: Optional[int] = None
-        self.bias: Optional[torch.Tensor] = None
-        self.selected: Optional[torch.Tensor] = None
-
-    def take(self, layer_number: int, shape: tuple[int, ...]):
-        if self.layer_number == layer_number - 1 and self.bias is not None and tuple(self.bias.shape) == shape:
-            return self.bias, self.selected
-        return None, None
-
-    def put(self, layer_number: int, bias: torch.Tensor, selected: torch.Tensor) -> None:
-        self.layer_number, self.bias, self.selected = layer_number, bias, selected
+from megatron_xmod.config import check_routing_compatibility
+from megatron_xmod.permute import gather_tokens, scatter_gated
+from megatron_xmod.routing import (
+    SparseLayerRouting,
+    jaccard_tensor,
+    padded_selection,
+    route,
+    router_bce_loss,
+    update_token_choice_bias,
+)
+from megatron_xmod.routing_state import RoutingState
 
 
 def _num_microbatches() -> int:
-    from megatron.core import num_microbatches_calculator as calculator
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-    if calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
+    try:
+        return get_num_microbatches()
+    except AttributeError:  # no calculator outside megatron's training loop: one micro-batch
         return 1
-    return calculator.get_num_microbatches()
 
 
 class RouterLossAutoScaler(torch.autograd.Function):
     """Attach the router BCE loss to the layer output so that it is back-propagated with the LM loss.
 
     megatron's MoEAuxLossAutoScaler gets its scale from the pipeline schedule only for MoE models;
-    this one derives the same scale itself (fp16 loss scale, / number of micro-batches unless
-    losses are per token), so the layer works unchanged inside any megatron training loop.
+    this one derives the same scale itself, so the layer works unchanged inside any megatron
+    training loop: the fp16 loss scale, and either 1 / number of micro-batches (losses averaged
+    per micro-batch) or the micro-batch's token count (``calculate_per_token_loss``: megatron sums
+    the LM loss over tokens and divides the gradients by the global token count at the end, so a
+    per-token mean must be turned back into a sum, as megatron does for its MoE auxiliary losses).
     """
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, config) -> torch.Tensor:
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, config, num_tokens: int) -> torch.Tensor:
         ctx.save_for_backward(aux_loss)
-        ctx.config = config
+        ctx.config, ctx.num_tokens = config, num_tokens
         return output
 
     @staticmethod
@@ -71,9 +61,11 @@ class RouterLossAutoScaler(torch.autograd.Function):
         scale = torch.ones_like(aux_loss)
         if config.grad_scale_func is not None:
             scale = config.grad_scale_func(scale)
-        if not config.calculate_per_token_loss:
+        if config.calculate_per_token_loss:
+            scale = scale * ctx.num_tokens
+        else:
             scale = scale / _num_microbatches()
-        return grad_output, scale, None
+        return grad_output, scale, None, None
 
 
 def _gather_positions(rotary_pos_emb, indices: torch.Tensor):
@@ -86,39 +78,54 @@ def _gather_positions(rotary_pos_emb, indices: torch.Tensor):
 
 
 class XModSparseLayer(TransformerLayer):
-    def __init__(self, config, submodules, layer_number: int = 1, *, sparsity_k: int, routing_family: str,
-                 bias_carry: Optional[TokenChoiceBiasCarry] = None, **kwargs):
+    """``routing`` (spec params) says how this layer routes; ``routing_state`` is the built model
+    chunk's :class:`~megatron_xmod.routing_state.RoutingState`, attached after the build."""
+
+    ROUTING_METRICS = ("selected_fraction", "coverage", "adjacent_jaccard", "router_bce_loss",
+                       "eval_selected_fraction", "eval_coverage", "eval_adjacent_jaccard")
+
+    def __init__(self, config, submodules, layer_number: int = 1, *, routing: SparseLayerRouting, **kwargs):
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
-        if routing_family not in ("mod", "xmod"):
-            raise ValueError(f"routing_family: sparse layers are 'mod' or 'xmod', got {routing_family!r}")
-        self.sparsity_k = sparsity_k
-        self.routing_family = routing_family
-        self.bias_carry = bias_carry if bias_carry is not None else TokenChoiceBiasCarry()
+        if not isinstance(routing, SparseLayerRouting):
+            raise TypeError(f"routing: expected a SparseLayerRouting in the layer spec params, got {type(routing).__name__}")
+        check_routing_compatibility(config)
+        if config.recompute_granularity == "full" and routing.token_choice_bias_tau > 0:
+            raise ValueError(
+                "recompute_granularity: 'full' replays layers out of order, but the token-choice bias is "
+                "carried from layer to layer; use 'selective' or set xmod_token_choice_bias_tau=0"
+            )
+        self.routing = routing
+        self.routing_state: Optional[RoutingState] = None
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.router = torch.nn.Linear(config.hidden_size, 1, bias=True, device=device, dtype=config.params_dtype)
         with torch.no_grad():
             if config.perform_initialization:
                 config.init_method(self.router.weight)
             self.router.bias.zero_()
-        if routing_family == "xmod":
+        if routing.family == "xmod":
             self.gate_scale = torch.nn.Parameter(
-                torch.full((1,), float(config.xmod_gate_scale_init), device=device, dtype=config.params_dtype)
+                torch.full((1,), float(routing.gate_scale_init), device=device, dtype=config.params_dtype)
             )
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None, context_mask=None,
                 rotary_pos_emb=None, inference_context=None, packed_seq_params=None, **unused):
         if inference_context is not None or packed_seq_params is not None:
-            raise ValueError("inference_context/packed_seq_params: not supported by routed layers; "
-                             "use the Hugging Face export for generation")
-        config = self.config
+            raise ValueError("inference_context/packed_seq_params: not supported by routed layers")
+        state = self.routing_state
+        if state is None:
+            raise RuntimeError(
+                f"routing_state: sparse layer {self.layer_number} has no routing state; build the model with "
+                "megatron_xmod's builders, or call megatron_xmod.routing_state.attach_routing_state(model) after "
+                "building it")
+        routing = self.routing
         seq_len, batch = hidden_states.shape[:2]
         logits = self.router(hidden_states).squeeze(-1).float()  # [s, b]
-        carried_bias, previous_selected = self.bias_carry.take(self.layer_number, (seq_len, batch))
-        rule = "topk" if self.training else config.xmod_eval_routing
-        decision = route(logits, self.sparsity_k, rule, carried_bias, config.xmod_token_choice_bias_tau)
-        bias = update_token_choice_bias(carried_bias, decision.selected, config.xmod_token_choice_bias_increment)
-        self.bias_carry.put(self.layer_number, bias, decision.selected)
-        self._record_metrics(decision, bias, previous_selected)
+        carried_bias, previous_selected = state.take_bias(self.layer_number, (seq_len, batch))
+        rule = "topk" if self.training else state.eval_rule
+        decision = route(logits, routing.sparsity_k, rule, carried_bias, routing.token_choice_bias_tau)
+        bias = update_token_choice_bias(carried_bias, decision.selected, routing.token_choice_bias_increment)
+        state.put_bias(self.layer_number, bias, decision.selected)
+        self._record_metrics(state, decision, bias, previous_selected)
 
         if decision.topk_indices is not None:
             output = self._routed_update(hidden_states, decision.topk_indices, decision.scores, rotary_pos_emb)
@@ -138,11 +145,11 @@ class XModSparseLayer(TransformerLayer):
                                self._routed_update(x, indices, decision.scores[:, j : j + 1], rotary_pos_emb))
             output = torch.cat(columns, dim=1)
 
-        if self.training and config.xmod_router_bce_coeff > 0:
+        if self.training and routing.router_bce_coeff > 0:
             bce = router_bce_loss(decision.scores, decision.selected)
-            metrics.record("router_bce_loss", self.layer_number, bce)
-            metrics.add_microbatch_loss(bce)
-            output = RouterLossAutoScaler.apply(output, config.xmod_router_bce_coeff * bce, config)
+            state.record("router_bce_loss", self.layer_number, bce)
+            state.add_microbatch_loss(bce)
+            output = RouterLossAutoScaler.apply(output, routing.router_bce_coeff * bce, self.config, seq_len * batch)
         return output, context
 
     def _routed_update(self, hidden_states, indices, scores, rotary_pos_emb, valid=None):
@@ -156,7 +163,7 @@ class XModSparseLayer(TransformerLayer):
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
         r = torch.sigmoid(torch.gather(scores, 0, indices)).to(hidden_states.dtype)  # [k, b]
         keep = torch.ones_like(r) if valid is None else valid.to(r.dtype)
-        if self.routing_family == "xmod":  # Eq.(7): x + varsigma * r * (a + f)
+        if self.routing.family == "xmod":  # Eq.(7): x + varsigma * r * (a + f)
             return scatter_gated(hidden_states, attention + mlp, self.gate_scale * r * keep, indices)
         # Eq.(6), MoD: x + a + r * f
         return scatter_gated(hidden_states, attention + r.unsqueeze(-1) * mlp, keep, indices)
@@ -177,10 +184,10 @@ class XModSparseLayer(TransformerLayer):
             output = output + bias
         return F.dropout(output, p=self.hidden_dropout, training=self.training)
 
-    def _record_metrics(self, decision, bias, previous_selected) -> None:
+    def _record_metrics(self, state: RoutingState, decision, bias, previous_selected) -> None:
         prefix = "" if self.training else "eval_"  # eval_*: the deployable (threshold) rule at validation
         selected = decision.selected
-        metrics.record(prefix + "selected_fraction", self.layer_number, selected.float().mean())
-        metrics.record(prefix + "coverage", self.layer_number, (bias > 0).float().mean())
+        state.record(prefix + "selected_fraction", self.layer_number, selected.float().mean())
+        state.record(prefix + "coverage", self.layer_number, (bias > 0).float().mean())
         if previous_selected is not None:
-            metrics.record(prefix + "adjacent_jaccard", self.layer_number, jaccard_tensor(previous_selected, selected))
+            state.record(prefix + "adjacent_jaccard", self.layer_number, jaccard_tensor(previous_selected, selected))

@@ -7,7 +7,7 @@ Grammar (whitespace is ignored)::
     atom   := 'D' | 'S' INT | '(' layout ')'
 
 ``D`` is a dense transformer layer, ``S<K>`` a sparse layer that processes the top 1/K of the
-tokens, ``*n`` repeats, ``+`` concatenates. Examples (seed 000):
+tokens, ``*n`` repeats, ``+`` concatenates. Examples (equations of the X-MoD paper):
 
     Eq.(3)  generic X-MoD   D*4 + (S8*8 + D)*4            (N0=4, A=1, K=8, N1=4)
             fractional A    D*4 + (S8*4 + D)*16           (A=0.5: A*K=4 sparse layers a block)
@@ -15,9 +15,11 @@ tokens, ``*n`` repeats, ``+`` concatenates. Examples (seed 000):
     Eq.(35) X-MoD A4K8      D*4 + (S8*24 + D) + (S8*32 + D)*4
     Eq.(36) X-MoD A3K16     D*4 + (S16*48 + D)*6
 
-A layout expands to a per-layer list of :class:`LayerSpec`. A dense layer that directly follows a
+A layout expands to a per-layer list of :class:`LayoutLayer`. A dense layer that directly follows a
 sparse layer is an *anchor*: it closes a sparse block, and the token-choice bias (Eq.8) is reset
-there. The block spec builder and the accounting both read this list, nothing else.
+there. A layout also knows its routing family (dense, MoD or X-MoD), since the notation alone cannot
+tell MoD's ``(S8 + D)`` from an X-MoD block with A = 1/8. The block spec builder and the accounting
+both read this, nothing else.
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ ROUTING_FAMILIES = ("dense", "mod", "xmod")
 
 
 @dataclass(frozen=True)
-class LayerSpec:
+class LayoutLayer:
     kind: str  # "dense" | "sparse" | "anchor"
     sparsity_k: int = 1  # tokens routed = 1/sparsity_k of the sequence
     block: int = -1  # index of the sparse block (sparse layers and the anchor that closes them)
+    index_in_block: int = -1  # 0 for the first sparse layer of a block (where the bias b starts at 0)
 
     @property
     def is_sparse(self) -> bool:
@@ -47,7 +50,8 @@ class LayerSpec:
 @dataclass(frozen=True)
 class Layout:
     notation: str
-    layers: tuple[LayerSpec, ...]
+    layers: tuple[LayoutLayer, ...]
+    family: str = "dense"  # dense | mod | xmod: MoD's Eq.(6) or X-MoD's Eq.(7) in every sparse layer
 
     @property
     def num_layers(self) -> int:
@@ -157,23 +161,33 @@ class _Parser:
         return atom
 
 
-def parse_layout(text: str) -> Layout:
+def parse_layout(text: str, family: Optional[str] = None) -> Layout:
+    """``family`` defaults to dense for a layout without sparse layers and to xmod otherwise."""
     if not isinstance(text, str) or not text.strip():
         raise LayoutError("layout: empty layout string; example: 'D*4 + (S8*8 + D)*4'")
     per_layer_k = _Parser(text).parse()
-    layers, block, in_sparse_run = [], -1, False
+    layers, block, index, in_sparse_run = [], -1, 0, False
     for k in per_layer_k:
         if k > 1:
             if not in_sparse_run:
-                block += 1
-                in_sparse_run = True
-            layers.append(LayerSpec("sparse", k, block))
+                block, index, in_sparse_run = block + 1, 0, True
+            layers.append(LayoutLayer("sparse", k, block, index))
+            index += 1
         elif in_sparse_run:
-            layers.append(LayerSpec("anchor", 1, block))
+            layers.append(LayoutLayer("anchor", 1, block))
             in_sparse_run = False
         else:
-            layers.append(LayerSpec("dense", 1, -1))
-    return Layout(" ".join(text.split()), tuple(layers))
+            layers.append(LayoutLayer("dense", 1, -1))
+    has_sparse = any(layer.is_sparse for layer in layers)
+    if family is None:
+        family = "xmod" if has_sparse else "dense"
+    if family not in ROUTING_FAMILIES:
+        raise LayoutError(f"routing_family: {family!r} is not one of {', '.join(ROUTING_FAMILIES)}")
+    if family == "dense" and has_sparse:
+        raise LayoutError(f"layout: routing_family 'dense' allows only D layers, got {text!r}")
+    if family != "dense" and not has_sparse:
+        raise LayoutError(f"layout: routing_family {family!r} needs at least one S<K> layer, got {text!r}")
+    return Layout(" ".join(text.split()), tuple(layers), family)
 
 
 def _whole(value: Fraction | float, field: str, what: str) -> int:
@@ -246,12 +260,8 @@ def resolve_layout(
     if layout is not None:
         if any(v is not None for v in (anchor_stride, dense_prefix)):
             raise LayoutError("layout: give either an explicit layout or anchor_stride/dense_prefix, not both")
-        resolved = parse_layout(layout)
+        resolved = parse_layout(layout, routing_family)
         sparse_ks = {layer.sparsity_k for layer in resolved.layers if layer.is_sparse}
-        if routing_family == "dense" and sparse_ks:
-            raise LayoutError(f"layout: routing_family 'dense' allows only D layers, got {layout!r}")
-        if routing_family != "dense" and not sparse_ks:
-            raise LayoutError(f"layout: routing_family {routing_family!r} needs at least one S<K> layer, got {layout!r}")
         if sparsity_k is not None and sparse_ks - {sparsity_k}:
             raise LayoutError(f"sparsity_k: {sparsity_k} disagrees with the layout's sparse layers S{sorted(sparse_ks)}")
         if activated_depth is not None and resolved.activated_depth != activated_depth:
@@ -276,7 +286,7 @@ def resolve_layout(
         else:
             notation = xmod_notation(sparsity_k, 1.0 if anchor_stride is None else anchor_stride,
                                      4 if dense_prefix is None else dense_prefix, depth)
-        resolved = parse_layout(notation)
+        resolved = parse_layout(notation, routing_family)
 
     if num_layers is not None and num_layers != resolved.num_layers:
         raise LayoutError(
@@ -286,21 +296,23 @@ def resolve_layout(
     return resolved
 
 
-# The paper's named layouts (seed 000, Eq.34-36) for the 28-layer backbones of Table 4.
+# The X-MoD paper's named layouts (Eq.34-36) for the 28-layer backbones of its Table 4.
 NAMED_LAYOUTS = {
-    "dense": "D*28",
-    "mod": "D + (S8 + D)*24",
-    "xmod-a4k8": "D*4 + (S8*24 + D) + (S8*32 + D)*4",
-    "xmod-a3k16": "D*4 + (S16*48 + D)*6",
+    "dense": ("dense", "D*28"),
+    "mod": ("mod", "D + (S8 + D)*24"),
+    "xmod-a4k8": ("xmod", "D*4 + (S8*24 + D) + (S8*32 + D)*4"),
+    "xmod-a3k16": ("xmod", "D*4 + (S16*48 + D)*6"),
 }
 
 _XMOD_NAME = re.compile(r"^xmod-a(\d+(?:\.\d+)?)k(\d+)$")
 
 
-def layout_from_model_name(model: str, activated_depth: int = 28, dense_prefix: int = 4) -> Layout:
-    """``dense``, ``mod``, ``mod-k<K>``, ``xmod-a<A>k<K>`` or any layout notation."""
+def layout_from_model_name(model: str, activated_depth: int = 28, dense_prefix: int = 4,
+                           family: Optional[str] = None) -> Layout:
+    """``dense``, ``mod``, ``mod-k<K>``, ``xmod-a<A>k<K>`` or any layout notation (whose family is
+    ``family``, by default dense without sparse layers and xmod with them)."""
     if model in NAMED_LAYOUTS and activated_depth == 28:
-        return parse_layout(NAMED_LAYOUTS[model])
+        return parse_layout(NAMED_LAYOUTS[model][1], NAMED_LAYOUTS[model][0])
     if model == "dense":
         return resolve_layout("dense", activated_depth=activated_depth)
     if model == "mod":
@@ -312,7 +324,7 @@ def layout_from_model_name(model: str, activated_depth: int = 28, dense_prefix: 
         return resolve_layout("xmod", sparsity_k=int(match.group(2)), anchor_stride=float(match.group(1)),
                               dense_prefix=dense_prefix, activated_depth=activated_depth)
     if model[:1] in ("D", "S", "("):
-        return parse_layout(model)
+        return parse_layout(model, family)
     raise LayoutError(
         f"model: {model!r} is not one of dense, mod, mod-k<K>, xmod-a<A>k<K> (e.g. xmod-a4k8, xmod-a3k16), "
         "or a layout such as 'D*4 + (S8*8 + D)*4'"

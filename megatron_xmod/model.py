@@ -8,25 +8,23 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 
 from megatron_xmod.block import get_xmod_decoder_block_spec
-from megatron_xmod.config import EVAL_ROUTING_RULES, XModConfig
+from megatron_xmod.config import XModConfig
 from megatron_xmod.layers import XModSparseLayer
-from megatron_xmod.layout import Layout, layout_from_model_name
-from megatron_xmod.presets import Backbone
-
-
-def routing_family_of(layout: Layout, model: str) -> str:
-    if layout.num_sparse_layers == 0:
-        return "dense"
-    return "mod" if model == "mod" or model.startswith("mod-") else "xmod"
+from megatron_xmod.presets import Backbone, parse_model
+from megatron_xmod.routing_state import attach_routing_state
 
 
 def config_from_backbone(backbone: Backbone, model: str = "dense", dense_prefix: int = 4, **overrides) -> XModConfig:
-    """An :class:`XModConfig` for a Table 4 backbone and a model name or layout (see ``xmod count``).
+    """An :class:`XModConfig` for a backbone and a routed model name or layout (see ``xmod count``).
 
     ``overrides`` are any TransformerConfig / XModConfig fields (e.g. ``params_dtype``, ``bf16``,
-    ``tensor_model_parallel_size``, ``xmod_token_choice_bias_tau``).
+    ``tensor_model_parallel_size``, ``xmod_token_choice_bias_tau``); an explicit
+    ``xmod_routing_family`` re-reads a layout string as that family (e.g. a MoD layout).
     """
-    layout = layout_from_model_name(model, activated_depth=backbone.num_layers, dense_prefix=dense_prefix)
+    description = parse_model(model, backbone, dense_prefix=dense_prefix, family=overrides.get("xmod_routing_family"))
+    if description.moe is not None:
+        raise ValueError(f"model: {model!r} is an MoE model; use megatron_xmod.moe.model.moe_config_from_backbone")
+    layout = description.layout
     fields = dict(
         num_layers=layout.num_layers,
         hidden_size=backbone.hidden_size,
@@ -42,7 +40,7 @@ def config_from_backbone(backbone: Backbone, model: str = "dense", dense_prefix:
         qk_layernorm=backbone.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        xmod_routing_family=routing_family_of(layout, model),
+        xmod_routing_family=layout.family,
         xmod_layout=layout.notation,
         xmod_activated_depth=None,
     )
@@ -63,10 +61,11 @@ def build_gpt_model(
     transformer_layer_spec=None,
 ) -> GPTModel:
     """Untied embeddings and RoPE, as in every model of the paper. ``transformer_layer_spec``
-    defaults to the X-MoD decoder block of ``config``'s layout."""
+    defaults to the X-MoD decoder block of ``config``'s layout. The built model carries its
+    :class:`~megatron_xmod.routing_state.RoutingState` as ``model.routing_state``."""
     if transformer_layer_spec is None:
         transformer_layer_spec = get_xmod_decoder_block_spec(config, use_transformer_engine, vp_stage=vp_stage)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=transformer_layer_spec,
         vocab_size=vocab_size,
@@ -79,15 +78,9 @@ def build_gpt_model(
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
+    attach_routing_state(model, eval_rule=getattr(config, "xmod_eval_routing", "threshold"))
+    return model
 
 
 def sparse_layers(model: torch.nn.Module) -> list[XModSparseLayer]:
     return [m for m in model.modules() if isinstance(m, XModSparseLayer)]
-
-
-def set_eval_routing(model: torch.nn.Module, rule: str) -> None:
-    """Switch the eval-mode routing rule (threshold | topk) of ``model``'s sparse layers."""
-    if rule not in EVAL_ROUTING_RULES:
-        raise ValueError(f"rule: {rule!r} is not one of {', '.join(EVAL_ROUTING_RULES)}")
-    for layer in sparse_layers(model):
-        layer.config.xmod_eval_routing = rule

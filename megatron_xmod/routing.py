@@ -1,4 +1,4 @@
-"""The routing rules of MoD / X-MoD, in one place, in plain torch (seed 000, Eq.(6)-(9)).
+"""The routing rules of MoD / X-MoD, in one place, in plain torch (the X-MoD paper, Eq.(6)-(9)).
 
 Reused by the megatron layers, the HF export, the diagnostics and the tests. Shapes follow
 megatron: scores are ``[s, b]`` (sequence first).
@@ -13,10 +13,46 @@ megatron: scores are ``[s, b]`` (sequence first).
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
+
+SPARSE_FAMILIES = ("mod", "xmod")
+
+
+@dataclass(frozen=True)
+class SparseLayerRouting:
+    """Everything that shapes one sparse layer's routing: plain data that travels in its layer spec,
+    so that the layer also builds inside a model whose config is megatron's ``TransformerConfig``.
+    ``XModConfig.sparse_layer_routing`` fills it from the config fields of the same names."""
+
+    family: str  # mod: x + a + r*f (Eq.6); xmod: x + varsigma*r*(a + f) (Eq.7)
+    sparsity_k: int  # the layer processes the top L/K tokens of each sequence
+    token_choice_bias_tau: float = 0.5
+    token_choice_bias_increment: float = 1.0
+    router_bce_coeff: float = 1e-4
+    gate_scale_init: float = 1.0
+    block: int = 0  # sparse block of the layout
+    index_in_block: int = 0  # position among the block's sparse layers (0: b starts at 0)
+
+    def __post_init__(self):
+        if self.family not in SPARSE_FAMILIES:
+            raise ValueError(f"routing_family: sparse layers are {' or '.join(SPARSE_FAMILIES)}, got {self.family!r}")
+        # K = 1 (every token routed) is the dense limit case; a layout writes it as D.
+        if not (isinstance(self.sparsity_k, int) and self.sparsity_k >= 1):
+            raise ValueError(f"sparsity_k: a sparse layer needs an integer K >= 1, got {self.sparsity_k!r}")
+        for name in ("token_choice_bias_tau", "token_choice_bias_increment", "router_bce_coeff"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"xmod_{name}: must be a finite number >= 0, got {value!r}")
+        if not (math.isfinite(self.gate_scale_init) and self.gate_scale_init > 0):
+            raise ValueError(
+                f"xmod_gate_scale_init: must be > 0 (0 would cut the gradient of the router and of the "
+                f"layer), got {self.gate_scale_init!r}"
+            )
 
 
 def adjusted_logits(logits: torch.Tensor, token_choice_bias: Optional[torch.Tensor], tau: float) -> torch.Tensor:

@@ -4,9 +4,14 @@ import os
 import pytest
 import torch
 
-from megatron_xmod import cpu_compat
+from megatron_xmod.training.patches import cpu_patches
 
-cpu_compat.install(training=False)
+
+@pytest.fixture(scope="session", autouse=True)
+def megatron_on_cpu():
+    """megatron-core on CPU for the whole session (a no-op with a GPU)."""
+    with cpu_patches(training=False):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -29,9 +34,6 @@ def seeded(megatron_parallel):
 
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
-    from megatron_xmod import metrics
-
-    metrics.reset()
     yield
 
 

@@ -74,7 +74,7 @@ def test_parameter_count_equals_the_built_megatron_model(seeded, layout):
     family = "mod" if layout.count("S4 + D") else "xmod"
     model, config = tiny_model(layout, xmod_routing_family=family if "S" in layout else "dense")
     built = sum(p.numel() for p in model.parameters())
-    counted = count_model(TINY, parse_layout(layout), 64, family=config.xmod_routing_family).total_params
+    counted = count_model(TINY, parse_layout(layout, config.xmod_routing_family), 64).total_params
     assert built == counted
 
 
@@ -91,3 +91,34 @@ def test_cli_rejects_unknown_model():
     result = subprocess.run([sys.executable, "-m", "megatron_xmod.cli", "count", "--model", "moe-9x9"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "model:" in result.stderr
+
+
+def test_one_description_of_a_model_names_family_and_experts():
+    from megatron_xmod.presets import parse_model
+
+    b = BACKBONES["556m"]
+    cases = {"dense": ("dense", 28), "mod": ("mod", 49), "mod-k4": ("mod", None), "xmod-a4k8": ("xmod", 161),
+             "xmod-a3k16": ("xmod", 298), "D*4 + (S8*8 + D)*4": ("xmod", 40), "moe-8x64": ("dense", 28),
+             "dtopp-t6": ("dense", 28)}
+    for name, (family, layers) in cases.items():
+        description = parse_model(name, b)
+        assert description.family == family, name
+        assert layers is None or description.layout.num_layers == layers, name
+        assert (description.moe is not None) == name.startswith(("moe", "dtopp")), name
+    assert parse_model("D + (S8 + D)*24", b, family="mod").family == "mod"
+
+
+def test_mod_count_has_no_gate_scales():
+    """MoD's Eq.(6) has no varsigma: 24 sparse layers carry a d->1 router with bias and nothing else."""
+    mod = count_model(BACKBONES["556m"], "mod", 32768)
+    assert mod.total_params == 873_768_216
+    out = subprocess.run([sys.executable, "-m", "megatron_xmod.cli", "count", "--backbone", "556m", "--model", "mod",
+                          "--json"], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["total_params"] == 873_768_216
+
+
+def test_mod_count_equals_the_built_mod_model(seeded):
+    model, config = tiny_model("D + (S4 + D)*2", xmod_routing_family="mod")
+    assert config.layer_layout.family == "mod"
+    built = sum(p.numel() for p in model.parameters())
+    assert count_model(TINY, config.layer_layout, 64).total_params == built

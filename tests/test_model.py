@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import megatron_xmod.layers as layers_module
-from megatron_xmod import metrics
-from megatron_xmod.model import set_eval_routing, sparse_layers
+from megatron_xmod.model import sparse_layers
+from megatron_xmod.routing_state import report as routing_report, set_eval_routing
 
 from helpers import english_bytes, tiny_model
 
@@ -44,7 +44,7 @@ def test_threshold_routing_is_causal(seeded):
     torch.testing.assert_close(before[:, : t + 1], after[:, : t + 1], rtol=0, atol=1e-5)
     assert not torch.allclose(before[:, t + 1 :], after[:, t + 1 :])
     # and it is a real routing decision: neither nothing nor everything was selected
-    fractions = [v for k, v in metrics.report().items() if k.startswith("eval_selected_fraction/")]
+    fractions = [v for k, v in routing_report(model).items() if k.startswith("eval_selected_fraction/")]
     assert any(0 < f < 1 for f in fractions)
 
 
@@ -52,7 +52,7 @@ def test_topk_routing_in_the_model_selects_exactly_l_over_k(seeded):
     model, _ = tiny_model("D + (S4*4 + D)")
     model.train()
     _logits(model, _tokens()).sum().backward()
-    report = metrics.report()
+    report = routing_report(model)
     assert [report[f"selected_fraction/layer_{n:03d}"] for n in (2, 3, 4, 5)] == [0.25] * 4
 
 
@@ -102,10 +102,9 @@ def test_bias_lowers_adjacent_layer_overlap(seeded):
             for layer in sparse_layers(model):
                 layer.router.weight.copy_(shared)
         model.train()
-        metrics.reset()
         with torch.no_grad():
             _logits(model, _tokens(batch=4))
-        jaccards[tau] = metrics.report()["adjacent_jaccard"]
+        jaccards[tau] = routing_report(model)["adjacent_jaccard"]
     assert jaccards[0.0] > 0.3
     assert jaccards[0.5] < jaccards[0.0]
 
@@ -116,8 +115,8 @@ def test_eval_routing_switch(seeded):
     set_eval_routing(model, "topk")
     with torch.no_grad():
         _logits(model, _tokens())
-    assert metrics.report()["eval_selected_fraction"] == 0.25
-    with pytest.raises(ValueError, match="rule"):
+    assert routing_report(model)["eval_selected_fraction"] == 0.25
+    with pytest.raises(ValueError, match="xmod_eval_routing"):
         set_eval_routing(model, "random")
 
 
@@ -158,7 +157,7 @@ def test_xmod_gpt_trains_through_megatron_schedule(seeded):
         lm_losses.append(torch.stack([r["lm loss"] for r in result]).mean().item())
         router_grads.append(sum(l.router.weight.grad.abs().sum().item() for l in sparse_layers(model)))
         gate_grads.append(sum(l.gate_scale.grad.abs().sum().item() for l in sparse_layers(model)))
-        bce.append(metrics.report()["router_bce_loss"])
+        bce.append(routing_report(model)["router_bce_loss"])
         optimizer.step()
     first, last = sum(lm_losses[:3]) / 3, sum(lm_losses[-3:]) / 3
     assert first > 5.0 and last < first - 1.0, lm_losses

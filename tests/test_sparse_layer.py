@@ -1,4 +1,6 @@
 """The megatron sparse layers against an independent plain-torch implementation of Eq.(6)/(7)."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,7 +9,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_xmod.block import get_layer_submodules
 from megatron_xmod.config import XModConfig
-from megatron_xmod.layers import XModSparseLayer
+from megatron_xmod.layers import RouterLossAutoScaler, XModSparseLayer
+from megatron_xmod.routing_state import RoutingState
 
 HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, BASE = 32, 4, 2, 8, 64, 10000.0
 
@@ -21,9 +24,12 @@ def make_config(**fields):
 
 
 def make_layer(config, sparsity_k=4, family="xmod", submodules=None):
+    routing = dataclasses.replace(config.sparse_layer_routing(config.layer_layout.layers[0]),
+                                  sparsity_k=sparsity_k, family=family)
     spec = ModuleSpec(module=XModSparseLayer, submodules=submodules or get_layer_submodules(config, False),
-                      params=dict(sparsity_k=sparsity_k, routing_family=family))
+                      params=dict(routing=routing))
     layer = build_module(spec, config=config, layer_number=1)
+    layer.routing_state = RoutingState()
     with torch.no_grad():  # random, not-small weights everywhere (norm weights too)
         for name, p in layer.named_parameters():
             p.copy_(torch.randn_like(p) * (0.3 if "norm" not in name else 0.2) + (1.0 if "norm" in name else 0.0))
@@ -154,7 +160,7 @@ def test_bce_gradient_reaches_router_through_autoscaler(seeded):
     out.sum().backward()
     grad_with_bce = layer.router.weight.grad.clone()
     layer.zero_grad()
-    config.xmod_router_bce_coeff = 0.0
+    layer.routing = dataclasses.replace(layer.routing, router_bce_coeff=0.0)
     out, _ = layer(x, rotary_pos_emb=rope_freqs(16))
     out.sum().backward()
     assert not torch.allclose(grad_with_bce, layer.router.weight.grad)
@@ -172,3 +178,21 @@ def test_sdpa_core_attention_matches_megatron_dot_product_attention(seeded):
     x = torch.randn(10, 2, HIDDEN)
     torch.testing.assert_close(ours(x, rotary_pos_emb=rope_freqs(10))[0],
                                megatron_own(x, rotary_pos_emb=rope_freqs(10))[0], atol=1e-5, rtol=1e-5)
+
+
+def test_router_bce_keeps_its_weight_with_per_token_loss(seeded):
+    """megatron's ``calculate_per_token_loss`` sums the LM loss over tokens and divides every
+    gradient by the token count at the end; the router BCE (a per-token mean) must then enter as a
+    sum, or it is shrunk by the micro-batch's token count. Both modes must give the same gradient."""
+    grads = {}
+    for per_token in (False, True):
+        torch.manual_seed(0)
+        layer = make_layer(make_config(xmod_router_bce_coeff=1.0, calculate_per_token_loss=per_token))
+        layer.train()
+        x = torch.randn(16, 2, HIDDEN)
+        out, _ = layer(x, rotary_pos_emb=rope_freqs(16))
+        (out * 0).sum().backward()  # only the BCE, through the autoscaler, reaches the router
+        grad = layer.router.weight.grad.clone()
+        grads[per_token] = grad / x.shape[0] / x.shape[1] if per_token else grad  # megatron's final division
+    assert grads[False].abs().sum() > 0
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-6, atol=0)

@@ -53,7 +53,7 @@ def _layout(K: int, A: float, dense_prefix: int, depth: int) -> tuple[Layout, st
         name = _named_irregular(K, A, dense_prefix, depth)
         if name is None:
             raise
-        return parse_layout(NAMED_LAYOUTS[name]), f"paper's irregular layout {name}"
+        return parse_layout(NAMED_LAYOUTS[name][1], NAMED_LAYOUTS[name][0]), f"paper's irregular layout {name}"
 
 
 def design(backbone: Backbone | str, K: int, A: Optional[float], seq_len: int, dense_prefix: int = 4,

@@ -1,19 +1,24 @@
-"""Run megatron-core 0.19.2 (and ``megatron.training.pretrain``) on a machine without a GPU.
+"""Every change megatron_xmod makes to megatron-core 0.19.2 from outside, numbered, in one place.
 
-Everything here is a no-op when ``torch.cuda.is_available()``: GPU runs never see these patches.
-The CUDA build of torch imports fine without a driver but every CUDA call raises, and megatron
-calls CUDA unconditionally in a handful of places. Each patch below names the megatron line it
-works around (paths relative to ``megatron/core`` or ``megatron/training``, version 0.19.2).
+Each patch names the megatron line it targets (paths relative to ``megatron/core`` or
+``megatron/training`` of the megatron-core 0.19.2 wheel); re-check them when the pin moves.
 
-Call :func:`install` before megatron does any work (``install(training=False)`` for scripts that
-use megatron-core only). Measured facts: ``shared/reference/megatron-cpu/FINDINGS.md``.
+- 1-11, :func:`cpu_patches`: run megatron-core (and ``megatron.training.pretrain``) on a machine
+  without a GPU. No-ops when ``torch.cuda.is_available()``: GPU runs never see them. The CUDA
+  build of torch imports fine without a driver but every CUDA call raises, and megatron calls CUDA
+  unconditionally in a handful of places. Use ``with cpu_patches(training=...):`` around the work;
+  the torch-function mode of patch 3 is entered on the way in and exited on the way out.
+- 12, :func:`skip_dataset_helper_build` (every device): the wheel cannot rebuild its dataset helpers.
+- 13, :func:`call_after_training_log` (every device): our routing/compute log after megatron's own.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
+from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -87,17 +92,23 @@ def cpu_mode() -> bool:
     return not torch.cuda.is_available()
 
 
-def install(training: bool = True) -> bool:
-    """Patch megatron for CPU/gloo. Returns True when patches are active (no CUDA device)."""
+@contextlib.contextmanager
+def cpu_patches(training: bool = True):
+    """Patch megatron for CPU/gloo (``training=False``: megatron-core only) for the duration of the
+    block; yields True when the patches are active (no CUDA device). The module patches stay
+    installed (idempotent); the device-rewriting torch-function mode lives only inside the block."""
     if not cpu_mode():
-        return False
+        yield False
+        return
     if not _installed["core"]:
         _install_core()
         _installed["core"] = True
     if training and not _installed["training"]:
         _install_training()
         _installed["training"] = True
-    return True
+    # 3. mode: hard-coded device="cuda" tensors (see _CudaDeviceToCpu).
+    with _CudaDeviceToCpu():
+        yield True
 
 
 def _install_core() -> None:
@@ -114,8 +125,7 @@ def _install_core() -> None:
     logging.getLogger(tp_random.__name__).setLevel(logging.ERROR)
     # 2. dev: utils.py:715 (GlobalMemoryBuffer) and DDP buffers allocate on current_device().
     cuda.current_device = lambda: torch.device("cpu")
-    # 3. mode: hard-coded device="cuda" tensors (see _CudaDeviceToCpu).
-    _CudaDeviceToCpu().__enter__()
+    # 3. (entered by cpu_patches) _CudaDeviceToCpu.
     # 4. sync/stream: p2p_communication.py:263/419 torch.cuda.synchronize(), timers;
     #    distributed/param_and_grad_buffer.py:632/691 current_stream()/Stream() for overlapped
     #    grad reduction; training.py torch.cuda.Stream(); empty_cache in checkpointing.
@@ -145,8 +155,7 @@ def _install_training() -> None:
     # 7. initialize._initialize_distributed / _set_random_seed gate on device_count() > 0.
     initialize._initialize_distributed = _with_one_fake_device(initialize._initialize_distributed)
     initialize._set_random_seed = _with_one_fake_device(initialize._set_random_seed)
-    # 8. (not CPU-specific) _compile_dependencies runs `make -C megatron/core/datasets`, which the pip
-    #    wheel cannot do (no Makefile): megatron_xmod.pretrain.main patches it for every device.
+    # 8. (not CPU-specific: patch 12) _compile_dependencies runs `make -C megatron/core/datasets`.
     # 9. arguments.py:1414 get_device_arch_version() queries cuda:0 properties when TP/CP > 1,
     #    and arguments.py:1437 wants CUDA_DEVICE_MAX_CONNECTIONS=1.
     arguments.get_device_arch_version = lambda: 0
@@ -181,3 +190,34 @@ def _install_training() -> None:
     distrib_optimizer.DistributedOptimizer.state_dict = state_dict
     setter = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
     distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = torch.no_grad()(setter)
+
+
+def skip_dataset_helper_build() -> None:
+    """12. training/initialize.py:176-178 ``_compile_dependencies`` calls
+    ``megatron.core.datasets.utils.compile_helpers()``, i.e. ``make -C megatron/core/datasets``; the
+    pip wheel ships the compiled helpers and no Makefile, so the build step can only fail there."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    dataset_utils.compile_helpers = lambda: None
+
+
+def call_after_training_log(callback: Callable[[int], None]) -> None:
+    """13. training/training.py:2568 ``training_log(..., iteration, ...)``, called on every rank each
+    iteration (training.py:3985): run ``callback(iteration)`` right after it, so our scalars go to the
+    same console and tensorboard writer at the same interval. Installed once per process."""
+    import megatron.training.training as training
+
+    original = training.training_log
+    if getattr(original, "_xmod_callback", None) is not None:
+        original._xmod_callback = callback
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def training_log(*args, **kwargs):
+        result = original(*args, **kwargs)
+        training_log._xmod_callback(signature.bind(*args, **kwargs).arguments["iteration"])
+        return result
+
+    training_log._xmod_callback = callback
+    training.training_log = training_log

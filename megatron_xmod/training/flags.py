@@ -1,0 +1,123 @@
+"""The entry point's flags: the ``--xmod-*`` group and the expansion of presets into megatron's own flags.
+
+``--xmod-backbone`` expands a backbone into megatron's architecture flags and ``--xmod-model`` a
+model name into an explicit layout (placed before the user's flags, so explicit flags still win);
+``--moe-preset`` expands into megatron's MoE flags (:mod:`megatron_xmod.moe.args`). The command
+line is read once, by :func:`scan_argv`, before megatron parses it.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron_xmod.layout import ROUTING_FAMILIES, LayoutError, layout_from_model_name, resolve_layout
+from megatron_xmod.presets import BACKBONES, backbone_flags, get_backbone
+
+MUON_TABLE5 = [  # the X-MoD paper, Table 5 (peak LR 3.2e-3; AdamW settings for the non-matrix parameters)
+    "--optimizer", "muon", "--lr", "3.2e-3", "--muon-momentum", "0.95", "--muon-num-ns-steps", "5",
+    "--muon-nesterov", "--muon-scale-mode", "spectral", "--muon-extra-scale-factor", "0.2",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--weight-decay", "0.1",
+]
+PAPER_SCHEDULE = ["--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.01"]  # cosine to 10% of peak
+# Flags that describe the layout: after expansion only the explicit family and layout remain.
+_LAYOUT_FLAGS = {"--xmod-model", "--xmod-routing-family", "--xmod-layout", "--xmod-anchor-stride",
+                 "--xmod-dense-prefix", "--xmod-activated-depth"}
+
+
+def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``--xmod-*`` group; each dest is an :class:`~megatron_xmod.config.XModConfig` field name,
+    so megatron's ``core_transformer_config_from_args`` maps them onto the config unchanged."""
+    group = parser.add_argument_group("X-MoD", "sparse-depth routing (megatron_xmod)")
+    group.add_argument("--xmod-backbone", default=None, choices=sorted(BACKBONES),
+                       help="Table 4 preset: expands to megatron's architecture flags")
+    group.add_argument("--xmod-model", default=None,
+                       help="named model: dense, mod, mod-k<K>, xmod-a<A>k<K> (xmod-a4k8, xmod-a3k16) or a layout")
+    group.add_argument("--xmod-routing-family", dest="xmod_routing_family", default="dense", choices=ROUTING_FAMILIES)
+    group.add_argument("--xmod-sparsity-k", dest="xmod_sparsity_k", type=int, default=None, help="K")
+    group.add_argument("--xmod-anchor-stride", dest="xmod_anchor_stride", type=float, default=None, help="A")
+    group.add_argument("--xmod-dense-prefix", dest="xmod_dense_prefix", type=int, default=None, help="N0")
+    group.add_argument("--xmod-layout", dest="xmod_layout", default=None, help="e.g. 'D*4 + (S8*8 + D)*4'")
+    group.add_argument("--xmod-activated-depth", dest="xmod_activated_depth", type=int, default=None)
+    group.add_argument("--xmod-token-choice-bias-tau", dest="xmod_token_choice_bias_tau", type=float, default=0.5)
+    group.add_argument("--xmod-token-choice-bias-increment", dest="xmod_token_choice_bias_increment", type=float, default=1.0)
+    group.add_argument("--xmod-router-bce-coeff", dest="xmod_router_bce_coeff", type=float, default=1e-4)
+    group.add_argument("--xmod-gate-scale-init", dest="xmod_gate_scale_init", type=float, default=1.0)
+    group.add_argument("--xmod-eval-routing", dest="xmod_eval_routing", default="threshold", choices=("threshold", "topk"))
+    group.add_argument("--xmod-muon-table5", action="store_true", help="the paper's Muon settings (Table 5)")
+    group.add_argument("--xmod-paper-schedule", action="store_true", help="1%% warmup, cosine to 10%% of peak")
+    group.add_argument("--xmod-no-topk-validation", action="store_true",
+                       help="skip the top-k routing comparison loss during validation")
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """All of the plugin's flag groups (megatron's ``extra_args_provider``)."""
+    from megatron_xmod.moe.args import add_moe_arguments
+
+    return add_moe_arguments(add_xmod_arguments(parser))
+
+
+def scan_argv(argv: list[str]) -> argparse.Namespace:
+    """The plugin's flags and the few megatron flags the expansion reads, from a raw command line
+    (the last occurrence wins, as in megatron's own parser); everything else is ignored."""
+    parser = add_arguments(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    for flag in ("--num-layers", "--ffn-hidden-size"):
+        parser.add_argument(flag, type=int, default=None)
+    for flag in ("--lr", "--min-lr"):
+        parser.add_argument(flag, default=None)
+    return parser.parse_known_args(argv)[0]
+
+
+def expand_arguments(argv: list[str]) -> list[str]:
+    """Turn ``--xmod-backbone``/``--xmod-model``, the paper presets and ``--moe-preset`` into plain
+    megatron flags. Layout errors surface here, before megatron starts anything."""
+    pre = scan_argv(argv)
+    head: list[str] = []
+    activated = pre.xmod_activated_depth
+    if pre.xmod_backbone:
+        b = get_backbone(pre.xmod_backbone)
+        activated = activated or b.num_layers
+        head += backbone_flags(b)
+    dense_prefix = pre.xmod_dense_prefix
+    if pre.xmod_model:
+        if pre.xmod_layout:
+            raise LayoutError("xmod_model: give either --xmod-model or --xmod-layout")
+        layout = layout_from_model_name(pre.xmod_model, activated_depth=activated or 28,
+                                        dense_prefix=4 if dense_prefix is None else dense_prefix)
+    else:
+        layout = resolve_layout(pre.xmod_routing_family, num_layers=None if activated else pre.num_layers,
+                                sparsity_k=pre.xmod_sparsity_k, anchor_stride=pre.xmod_anchor_stride,
+                                dense_prefix=dense_prefix, layout=pre.xmod_layout, activated_depth=activated)
+    # From here on the layout is explicit: the config re-validates it against --num-layers.
+    argv = drop_flags(argv, _LAYOUT_FLAGS)
+    tail = ["--xmod-routing-family", layout.family, "--xmod-layout", layout.notation]
+    if pre.num_layers is None:
+        head += ["--num-layers", str(layout.num_layers)]
+    if layout.num_sparse_layers:
+        head += ["--no-rope-fusion"]
+    if pre.xmod_muon_table5:
+        head += MUON_TABLE5
+    if pre.xmod_paper_schedule:
+        head += PAPER_SCHEDULE
+        if pre.min_lr is None:
+            lr = pre.lr if pre.lr is not None else ("3.2e-3" if pre.xmod_muon_table5 else None)
+            if lr is None:
+                raise LayoutError("lr: --xmod-paper-schedule decays to 10% of the peak, so it needs --lr")
+            tail += ["--min-lr", str(float(lr) * 0.1)]
+    from megatron_xmod.moe.args import expand_moe_arguments
+
+    # MoE presets size their experts from --ffn-hidden-size, which the backbone expansion provides.
+    return expand_moe_arguments(head + argv + tail)
+
+
+def drop_flags(argv: list[str], flags: set[str]) -> list[str]:
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        name = item.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in item
+            continue
+        out.append(item)
+    return out
