@@ -105,7 +105,7 @@ setup(
                   "emerging-optimizers>=0.3", "psutil>=5.9"],
         "export": ["transformers>=4.45", "safetensors>=0.4"],
         "scaling": ["scipy>=1.11", "matplotlib>=3.8"],
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "ruff>=0.6"],
     },
     entry_points={"console_scripts": ["xmod=megatron_xmod.cli:main"]},
     ext_modules=ext_modules,

@@ -15,6 +15,7 @@ def test_equal_flops_iterations_follow_the_accounting():
     assert iterations["xmod"] > iterations["mod"] > iterations["dense"]
 
 
+@pytest.mark.slow
 def test_demo_runs_and_reports_from_the_runs(tmp_path):
     out = tmp_path / "demo"
     result = subprocess.run(

@@ -14,6 +14,8 @@ import torch
 
 from helpers import english_bytes
 
+pytestmark = pytest.mark.slow
+
 ITERS = 12
 ROUTED = ["--xmod-routing-family", "xmod", "--xmod-layout", "D + (S4*2 + D)*2 + D"]  # 8 layers, anchors at 4 and 7
 ARCH = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--group-query-attention",

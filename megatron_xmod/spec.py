@@ -1,0 +1,114 @@
+"""Layer specs for a Megatron-LM launch you already have: ``--spec megatron_xmod.spec <name>``.
+
+Megatron-LM's ``pretrain_gpt.py`` (``gpt_builders.gpt_builder``) imports the object named by
+``--spec MODULE NAME`` and hands it, uncalled, to ``GPTModel`` with megatron's plain
+``TransformerConfig``; megatron's ``GPTModelBuilder`` does the same with a ``ModuleSpec``. A layer
+``ModuleSpec`` is built once per layer of the local pipeline stage, so each spec here is one
+:class:`LayoutLayer` spec that builds, at every position of its layout, the layer the layout puts
+there (megatron's own ``TransformerLayer`` or an :class:`~megatron_xmod.layers.XModSparseLayer`).
+Pipeline stages therefore each build their own layers, with the routing settings carried in the
+spec's params.
+
+Named models (the X-MoD paper's 28-layer backbones, Eq.34-36): ``dense``, ``mod``, ``xmod_a4k8``,
+``xmod_a3k16``; give ``--num-layers`` equal to the layout's physical layers (49, 161, 298).
+Any other layout: write a module of your own with ::
+
+    from megatron_xmod.spec import layout_spec
+    my_model = layout_spec("D*4 + (S8*8 + D)*4", family="xmod", token_choice_bias_tau=0.5)
+
+and launch with ``--spec my_module my_model``. Megatron swallows an ImportError of ``--spec`` and
+then trains its default dense model: check the ``[xmod] --spec built layers`` line each stage
+prints, or count the parameters against ``xmod count``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
+
+from megatron_xmod.layout import NAMED_LAYOUTS, Layout, parse_layout
+from megatron_xmod.routing import SparseLayerRouting
+from megatron_xmod.routing_state import RoutingState
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutSpecParams:
+    """The data a :class:`LayoutLayer` spec carries: the layout and the routing settings every sparse
+    layer of it shares (their per-layer K and block position come from the layout)."""
+
+    layout: str
+    family: str = "xmod"
+    token_choice_bias_tau: float = 0.5
+    token_choice_bias_increment: float = 1.0
+    router_bce_coeff: float = 1e-4
+    gate_scale_init: float = 1.0
+
+    def parsed(self) -> Layout:
+        return parse_layout(self.layout, self.family)
+
+    def routing(self, position: int) -> SparseLayerRouting:
+        layer = self.parsed().layers[position]
+        return SparseLayerRouting(
+            family=self.family, sparsity_k=layer.sparsity_k, token_choice_bias_tau=self.token_choice_bias_tau,
+            token_choice_bias_increment=self.token_choice_bias_increment, router_bce_coeff=self.router_bce_coeff,
+            gate_scale_init=self.gate_scale_init, block=layer.block, index_in_block=layer.index_in_block)
+
+
+class LayoutLayer(TransformerLayer):
+    """Builds the layer its layout puts at this position (a subclass of ``TransformerLayer`` only so
+    that megatron's block accepts the spec; instances are megatron's or our own layer classes).
+
+    The sparse layers of one model chunk share one :class:`RoutingState`. megatron builds a chunk's
+    layers in order, in one loop, from local layer 1; the state is started at local layer 1 and
+    handed to the chunk's later layers through ``_chunk_state``, which is cleared again after the
+    chunk's last layer: nothing outlives the build, and two models built from one spec get two states.
+    """
+
+    _chunk_state: Optional[RoutingState] = None
+
+    def __new__(cls, config, submodules=None, layer_number: int = 1, *, xmod: LayoutSpecParams, **kwargs):
+        from megatron_xmod.block import get_layer_submodules, resolve_use_transformer_engine
+        from megatron_xmod.layers import XModSparseLayer
+
+        layout = xmod.parsed()
+        if config.num_layers != layout.num_layers:
+            raise ValueError(f"num_layers: {config.num_layers} does not match the --spec layout {layout.notation!r}, "
+                             f"which has {layout.num_layers} physical layers; set --num-layers {layout.num_layers}")
+        vp_stage, pg_collection = kwargs.get("vp_stage"), kwargs.get("pg_collection")
+        pp_rank = None if pg_collection is None else pg_collection.pp.rank()
+        position = layer_number - 1 + get_transformer_layer_offset(config, vp_stage, pp_rank)
+        if submodules is None:
+            submodules = get_layer_submodules(config, resolve_use_transformer_engine(config, None))
+        if layer_number == 1:
+            LayoutLayer._chunk_state = RoutingState()
+        state = LayoutLayer._chunk_state
+        if layer_number == get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank):
+            LayoutLayer._chunk_state = None
+            first = position + 2 - layer_number
+            routed = sum(layer.is_sparse for layer in layout.layers[first - 1 : position + 1])
+            print(f"[xmod] --spec built layers {first}-{position + 1} of {layout.num_layers} ({routed} routed, "
+                  f"{layout.family}): {layout.notation}", flush=True)
+        if not layout.layers[position].is_sparse:
+            return TransformerLayer(config, submodules, layer_number, **kwargs)
+        layer = XModSparseLayer(config, submodules, layer_number, routing=xmod.routing(position), **kwargs)
+        if state is None:
+            raise RuntimeError("LayoutLayer: layers of a model chunk were not built in order from local layer 1")
+        layer.routing_state = state
+        return layer
+
+
+def layout_spec(layout: str, family: str = "xmod", **routing) -> ModuleSpec:
+    """A ``--spec`` object for any layout; ``routing``: token_choice_bias_tau, token_choice_bias_increment,
+    router_bce_coeff, gate_scale_init (the ``--xmod-*`` defaults otherwise)."""
+    params = LayoutSpecParams(layout, family, **routing)
+    params.parsed()  # a bad layout fails at import, naming the field
+    return ModuleSpec(module=LayoutLayer, params={"xmod": params})
+
+
+dense = layout_spec(NAMED_LAYOUTS["dense"][1], family="dense")
+mod = layout_spec(NAMED_LAYOUTS["mod"][1], family="mod")
+xmod_a4k8 = layout_spec(NAMED_LAYOUTS["xmod-a4k8"][1])
+xmod_a3k16 = layout_spec(NAMED_LAYOUTS["xmod-a3k16"][1])
