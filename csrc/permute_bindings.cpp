@@ -56,9 +56,10 @@ torch::Tensor gather(const torch::Tensor& x, const torch::Tensor& idx) {
   return out;
 }
 
-// x and gate are optional (see launch_expand); s is explicit because x may be absent.
-torch::Tensor expand(const c10::optional<torch::Tensor>& x, const torch::Tensor& y,
-                     const c10::optional<torch::Tensor>& gate, const torch::Tensor& idx, int64_t s) {
+// x and gate are optional (see launch_scatter_add_gated); s is explicit because x may be absent.
+torch::Tensor scatter_add_gated(const c10::optional<torch::Tensor>& x, const torch::Tensor& y,
+                                const c10::optional<torch::Tensor>& gate, const torch::Tensor& idx,
+                                int64_t s) {
   check_cuda(y, "y", y);
   check_indices(idx, y);
   TORCH_CHECK(y.dim() == 3, "xmod permute (cuda): y must be [k, b, h], got ", y.sizes());
@@ -83,12 +84,12 @@ torch::Tensor expand(const c10::optional<torch::Tensor>& x, const torch::Tensor&
   }
   const c10::cuda::CUDAGuard guard(y.device());
   auto out = torch::empty({s, y.size(1), y.size(2)}, y.options());
-  check_launch(xmod_permute::launch_expand(
+  check_launch(xmod_permute::launch_scatter_add_gated(
                    dt, x.has_value() ? x->data_ptr() : nullptr, y.data_ptr(),
                    gate.has_value() ? gate->data_ptr() : nullptr, idx.data_ptr<int64_t>(),
                    out.data_ptr(), s, idx.size(0), y.size(1), y.size(2),
                    c10::cuda::getCurrentCUDAStream()),
-               "expand");
+               "scatter_add_gated");
   return out;
 }
 
@@ -129,8 +130,8 @@ std::vector<torch::Tensor> scatter_backward(const torch::Tensor& grad_out, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron_xmod routed-token permutation kernels (sm_80 / sm_90)";
   m.def("gather", &gather, "out[k,b,h] = x[indices[k,b], b, :]", py::arg("x"), py::arg("indices"));
-  m.def("expand", &expand, "[s,b,h] = x (or 0) + gate (or 1) * y at indices", py::arg("x"),
-        py::arg("y"), py::arg("gate"), py::arg("indices"), py::arg("s"));
+  m.def("scatter_add_gated", &scatter_add_gated, "[s,b,h] = x (or 0) + gate (or 1) * y at indices",
+        py::arg("x"), py::arg("y"), py::arg("gate"), py::arg("indices"), py::arg("s"));
   m.def("scatter_backward", &scatter_backward, "(grad_y, grad_gate) of the gated scatter",
         py::arg("grad_out"), py::arg("y"), py::arg("gate"), py::arg("indices"), py::arg("need_y"),
         py::arg("need_gate"));

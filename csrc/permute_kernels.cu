@@ -19,8 +19,8 @@ namespace xmod_permute {
 namespace {
 
 constexpr int kThreads = 256;
-// Token rows handled by one block of the expand kernel: the binary search that locates the first
-// routed index of the tile is paid once per tile instead of once per row.
+// Token rows handled by one block of the gated scatter-add kernel: the binary search that locates
+// the first routed index of the tile is paid once per tile instead of once per row.
 constexpr int kTileRows = 16;
 
 template <typename T> __device__ __forceinline__ float to_f(T v);
@@ -69,10 +69,10 @@ __global__ void gather_rows_kernel(const T* __restrict__ x, const int64_t* __res
 // gather backward (x, gate null): each output row is written exactly once, so no zero-fill pass,
 // no atomics, and unrouted rows are copied bit-exactly.
 template <typename T, int VEC, bool HAS_X, bool HAS_GATE>
-__global__ void expand_rows_kernel(const T* __restrict__ x, const T* __restrict__ y,
-                                   const T* __restrict__ gate, const int64_t* __restrict__ idx,
-                                   T* __restrict__ out, int64_t s, int64_t k, int64_t b,
-                                   int64_t nvec) {
+__global__ void scatter_add_gated_rows_kernel(const T* __restrict__ x, const T* __restrict__ y,
+                                              const T* __restrict__ gate,
+                                              const int64_t* __restrict__ idx, T* __restrict__ out,
+                                              int64_t s, int64_t k, int64_t b, int64_t nvec) {
   using P = Pack<T, VEC>;
   __shared__ int64_t route[kTileRows];  // tile row -> routed j, or -1
   __shared__ int64_t first_j;
@@ -231,8 +231,8 @@ void gather_t(const void* x, const int64_t* idx, void* out, int64_t s, int64_t k
 }
 
 template <typename T, int VEC>
-void expand_vec(const void* x, const void* y, const void* gate, const int64_t* idx, void* out,
-                int64_t s, int64_t k, int64_t b, int64_t h, cudaStream_t st) {
+void scatter_add_gated_vec(const void* x, const void* y, const void* gate, const int64_t* idx,
+                           void* out, int64_t s, int64_t k, int64_t b, int64_t h, cudaStream_t st) {
   const int64_t nvec = h / VEC;
   const dim3 grid((unsigned)((s + kTileRows - 1) / kTileRows), (unsigned)b);
   const T* xt = static_cast<const T*>(x);
@@ -240,23 +240,27 @@ void expand_vec(const void* x, const void* y, const void* gate, const int64_t* i
   const T* gt = static_cast<const T*>(gate);
   T* ot = static_cast<T*>(out);
   if (x != nullptr && gate != nullptr)
-    expand_rows_kernel<T, VEC, true, true><<<grid, kThreads, 0, st>>>(xt, yt, gt, idx, ot, s, k, b, nvec);
+    scatter_add_gated_rows_kernel<T, VEC, true, true>
+        <<<grid, kThreads, 0, st>>>(xt, yt, gt, idx, ot, s, k, b, nvec);
   else if (x != nullptr)
-    expand_rows_kernel<T, VEC, true, false><<<grid, kThreads, 0, st>>>(xt, yt, gt, idx, ot, s, k, b, nvec);
+    scatter_add_gated_rows_kernel<T, VEC, true, false>
+        <<<grid, kThreads, 0, st>>>(xt, yt, gt, idx, ot, s, k, b, nvec);
   else if (gate != nullptr)
-    expand_rows_kernel<T, VEC, false, true><<<grid, kThreads, 0, st>>>(xt, yt, gt, idx, ot, s, k, b, nvec);
+    scatter_add_gated_rows_kernel<T, VEC, false, true>
+        <<<grid, kThreads, 0, st>>>(xt, yt, gt, idx, ot, s, k, b, nvec);
   else
-    expand_rows_kernel<T, VEC, false, false><<<grid, kThreads, 0, st>>>(xt, yt, gt, idx, ot, s, k, b, nvec);
+    scatter_add_gated_rows_kernel<T, VEC, false, false>
+        <<<grid, kThreads, 0, st>>>(xt, yt, gt, idx, ot, s, k, b, nvec);
 }
 
 template <typename T>
-void expand_t(const void* x, const void* y, const void* gate, const int64_t* idx, void* out,
-              int64_t s, int64_t k, int64_t b, int64_t h, cudaStream_t st) {
+void scatter_add_gated_t(const void* x, const void* y, const void* gate, const int64_t* idx,
+                         void* out, int64_t s, int64_t k, int64_t b, int64_t h, cudaStream_t st) {
   switch (vec_width<T>(h, {x, y, out})) {
-    case 8: expand_vec<T, 8>(x, y, gate, idx, out, s, k, b, h, st); break;
-    case 4: expand_vec<T, 4>(x, y, gate, idx, out, s, k, b, h, st); break;
-    case 2: expand_vec<T, 2>(x, y, gate, idx, out, s, k, b, h, st); break;
-    default: expand_vec<T, 1>(x, y, gate, idx, out, s, k, b, h, st); break;
+    case 8: scatter_add_gated_vec<T, 8>(x, y, gate, idx, out, s, k, b, h, st); break;
+    case 4: scatter_add_gated_vec<T, 4>(x, y, gate, idx, out, s, k, b, h, st); break;
+    case 2: scatter_add_gated_vec<T, 2>(x, y, gate, idx, out, s, k, b, h, st); break;
+    default: scatter_add_gated_vec<T, 1>(x, y, gate, idx, out, s, k, b, h, st); break;
   }
 }
 
@@ -300,11 +304,11 @@ cudaError_t launch_gather(DType dt, const void* x, const int64_t* idx, void* out
   return cudaGetLastError();
 }
 
-cudaError_t launch_expand(DType dt, const void* x, const void* y, const void* gate,
-                          const int64_t* idx, void* out, int64_t s, int64_t k, int64_t b,
-                          int64_t h, cudaStream_t stream) {
+cudaError_t launch_scatter_add_gated(DType dt, const void* x, const void* y, const void* gate,
+                                     const int64_t* idx, void* out, int64_t s, int64_t k,
+                                     int64_t b, int64_t h, cudaStream_t stream) {
   if (s * b == 0 || h == 0) return cudaSuccess;
-  XMOD_DISPATCH(dt, expand_t, x, y, gate, idx, out, s, k, b, h, stream);
+  XMOD_DISPATCH(dt, scatter_add_gated_t, x, y, gate, idx, out, s, k, b, h, stream);
   return cudaGetLastError();
 }
 

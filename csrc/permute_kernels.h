@@ -15,9 +15,9 @@ cudaError_t launch_gather(DType dt, const void* x, const int64_t* indices, void*
 
 // out: [s,b,h]. Row (t,c) = (x ? x : 0) + (routed as j ? (gate ? gate[j,c] : 1) * y[j,c] : 0).
 // x and gate may be null. Scatter-gated forward and gather backward.
-cudaError_t launch_expand(DType dt, const void* x, const void* y, const void* gate,
-                          const int64_t* indices, void* out, int64_t s, int64_t k, int64_t b,
-                          int64_t h, cudaStream_t stream);
+cudaError_t launch_scatter_add_gated(DType dt, const void* x, const void* y, const void* gate,
+                                     const int64_t* indices, void* out, int64_t s, int64_t k,
+                                     int64_t b, int64_t h, cudaStream_t stream);
 
 // Scatter-gated backward for y and gate (grad_x is grad_out itself). grad_y / grad_gate may be
 // null when not needed.

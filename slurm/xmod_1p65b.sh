@@ -1,5 +1,7 @@
 #!/bin/bash
-# X-MoD A3K16 at N_act = 1.65B (seed 000, Table 6 / Eq.36): 8 nodes x 8 GPUs, TP=8 as in the paper,
+# X-MoD A3K16 at N_act = 1.65B (Table 6 / Eq.36 of the X-MoD paper,
+# "X-MoD: Practical Scaling Laws for Sparse-Depth Routing Beyond Mixture-of-Depths", arXiv:2609.34212):
+# 8 nodes x 8 GPUs, TP=8 as in the paper,
 # L = 32768, ~2.5M tokens per step (Eq.32), Muon with Table 5 settings, 1% warmup + cosine to 10%,
 # training compute C = 2.5e20 FLOPs (iterations derived from the accounting module, not hard-coded).
 #

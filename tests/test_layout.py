@@ -1,4 +1,5 @@
-"""The layout notation expresses Eq.(3) (incl. fractional A), Eq.(34), Eq.(35), Eq.(36)."""
+"""The layout notation expresses Eq.(3) (incl. fractional A), Eq.(34), Eq.(35), Eq.(36) of the X-MoD
+paper, "X-MoD: Practical Scaling Laws for Sparse-Depth Routing Beyond Mixture-of-Depths"."""
 import pytest
 
 from megatron_xmod.layout import LayoutError, layout_from_model_name, parse_layout, resolve_layout
@@ -10,7 +11,7 @@ from megatron_xmod.layout import LayoutError, layout_from_model_name, parse_layo
 )
 def test_paper_layouts_have_the_papers_depths(name, physical, sparse):
     layout = layout_from_model_name(name)
-    assert layout.num_layers == physical  # seed 000: 28, 49, 161, 298 physical layers
+    assert layout.num_layers == physical  # the paper's 28, 49, 161, 298 physical layers
     assert layout.num_sparse_layers == sparse
     assert layout.activated_depth == 28
 

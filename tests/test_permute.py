@@ -255,6 +255,9 @@ def test_cuda_extension_imports_and_fails_clearly_without_gpu():
 
     with pytest.raises(RuntimeError, match="x must be a CUDA tensor"):  # the extension's own check
         _permute_cuda.gather(x, idx)
+    # The extension and its wrapper expose the three primitives the dispatcher calls.
+    for name in ("gather", "scatter_add_gated", "scatter_backward"):
+        assert callable(getattr(_permute_cuda, name)) and callable(getattr(cuda_ops, name)), name
 
 
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")

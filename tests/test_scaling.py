@@ -1,7 +1,13 @@
-"""The practical scaling law (seed 000, Eq.12-31, 37-39): law values, planner, fitter, hold-out, CLI."""
+"""The practical scaling law (Eq.12-31, 37-39) of the X-MoD paper: law values, planner, fitter,
+hold-out, CLI.
+
+X-MoD paper: "X-MoD: Practical Scaling Laws for Sparse-Depth Routing Beyond Mixture-of-Depths".
+"""
 import csv
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -238,6 +244,14 @@ def test_xmod_fit_writes_law_and_plots_and_plan_reads_it(synthetic, tmp_path, ca
     assert abs(json.loads(capsys.readouterr().out)["K"] - 14) <= 2
     assert xmod(["fit", str(path), "--out", str(out), "--holdout", "K"]) == 2
     assert "holdout: must be among" in capsys.readouterr().err
+
+
+def test_importing_plots_leaves_the_matplotlib_backend_alone():
+    """Agg is selected when a plot is written, not when megatron_xmod.scaling.plots is imported."""
+    code = ("import sys, matplotlib; matplotlib.use('svg'); import megatron_xmod.scaling.plots; "
+            "assert matplotlib.get_backend() == 'svg', matplotlib.get_backend(); "
+            "assert 'matplotlib.pyplot' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_planner_points_to_a_trainable_k_when_the_optimum_does_not_divide_l():

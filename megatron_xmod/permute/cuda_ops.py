@@ -54,8 +54,8 @@ def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return _ext_or_raise(x.device).gather(x, idx)
 
 
-def expand(x, y: torch.Tensor, gate, idx: torch.Tensor, s: int) -> torch.Tensor:
-    return _ext_or_raise(y.device).expand(x, y, gate, idx, s)
+def scatter_add_gated(x, y: torch.Tensor, gate, idx: torch.Tensor, s: int) -> torch.Tensor:
+    return _ext_or_raise(y.device).scatter_add_gated(x, y, gate, idx, s)
 
 
 def scatter_backward(go, y, gate, idx, need_y: bool, need_gate: bool):

@@ -181,7 +181,8 @@ class _Gather(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             # Scattering into fresh zeros is the same kernel as the gated scatter without x/gate.
-            gx = ctx.ops.expand(None, grad.contiguous(), None, indices.contiguous(), ctx.s)
+            gx = ctx.ops.scatter_add_gated(None, grad.contiguous(), None, indices.contiguous(),
+                                           ctx.s)
         return gx, None, None
 
 
@@ -191,7 +192,7 @@ class _ScatterGated(torch.autograd.Function):
         ctx.ops = ops
         y, gate, indices = y.contiguous(), gate.contiguous(), indices.contiguous()
         ctx.save_for_backward(y, gate, indices)
-        return ops.expand(x.contiguous(), y, gate, indices, x.shape[0])
+        return ops.scatter_add_gated(x.contiguous(), y, gate, indices, x.shape[0])
 
     @staticmethod
     @once_differentiable

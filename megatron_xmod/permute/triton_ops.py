@@ -4,8 +4,8 @@ Imported lazily by the dispatcher: ``TRITON_INTERPRET=1`` is read when the ``@tr
 kernels below are defined, so the CPU interpreter only works if it is set before this import.
 
 Primitives (all tensors contiguous, rows are the (s*b) or (k*b) token rows of h elements):
-  gather(x, idx)                        -> [k,b,h]
-  expand(x|None, y, gate|None, idx, s)  -> [s,b,h] = x (or 0) + gate (or 1) * y at idx
+  gather(x, idx)                                   -> [k,b,h]
+  scatter_add_gated(x|None, y, gate|None, idx, s)  -> [s,b,h] = x (or 0) + gate (or 1) * y at idx
   scatter_backward(go, y, gate, idx, need_y, need_gate) -> (grad_y|None, grad_gate|None)
 """
 import torch
@@ -42,9 +42,9 @@ def _gather_kernel(x_ptr, idx_ptr, out_ptr, s, b, h, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _expand_kernel(x_ptr, y_ptr, gate_ptr, idx_ptr, out_ptr, s, k, b, h,
-                   HAS_X: tl.constexpr, HAS_GATE: tl.constexpr, LOG_K: tl.constexpr,
-                   BLOCK_H: tl.constexpr):
+def _scatter_add_gated_kernel(x_ptr, y_ptr, gate_ptr, idx_ptr, out_ptr, s, k, b, h,
+                              HAS_X: tl.constexpr, HAS_GATE: tl.constexpr, LOG_K: tl.constexpr,
+                              BLOCK_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # output token row t*b + c
     t = row // b
     c = row % b
@@ -119,12 +119,12 @@ def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def expand(x, y: torch.Tensor, gate, idx: torch.Tensor, s: int) -> torch.Tensor:
+def scatter_add_gated(x, y: torch.Tensor, gate, idx: torch.Tensor, s: int) -> torch.Tensor:
     k, b, h = y.shape
     out = torch.empty((s, b, h), dtype=y.dtype, device=y.device)
     if s * b and h:
         bh = _block_h(h)
-        _expand_kernel[(s * b,)](
+        _scatter_add_gated_kernel[(s * b,)](
             x if x is not None else y, y, gate if gate is not None else y, idx, out, s, k, b, h,
             HAS_X=x is not None, HAS_GATE=gate is not None, LOG_K=max(int(k).bit_length(), 1),
             BLOCK_H=bh, num_warps=_num_warps(bh))

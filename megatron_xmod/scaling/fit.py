@@ -1,4 +1,5 @@
-"""Refit the law on your own runs: the paper's two-stage protocol and its grouped hold-out (Eq.37-39).
+"""Refit the law on your own runs: the two-stage protocol and grouped hold-out (Eq.37-39) of the
+X-MoD paper, "X-MoD: Practical Scaling Laws for Sparse-Depth Routing Beyond Mixture-of-Depths".
 
 Stage 1 fits the base law (e, u, [v], w and their exponents) on the A = 1 runs, where R_AK = 0.
 Stage 2 freezes it and calibrates the A-K term (z, rho_K, rho_A) on the anchor sweep (A != 1).
@@ -6,8 +7,8 @@ In each stage the exponents are searched by differential evolution, and for ever
 vector the linear coefficients are solved exactly: non-negative least squares, bias unconstrained.
 
 The paper reports the full law (with P_D) fitting worse in-sample than the reduced law it contains
-(0.01349 vs 0.008758, review 复核三), which a correct search cannot produce. Here the full search is
-seeded with the reduced solution (v = 0 is reachable since v >= 0 is solved by NNLS), and if the
+as its v = 0 case (pooled RMSE 0.01349 vs 0.008758), which a converged search cannot produce. Here
+the full search is seeded with the reduced solution (v = 0 is reachable since v >= 0 is solved by NNLS), and if the
 search still ends worse, the reduced solution embedded in the full law is kept and that is reported.
 """
 from __future__ import annotations

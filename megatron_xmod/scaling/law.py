@@ -1,4 +1,5 @@
-"""The matched-FLOPs residual law (seed 000, Eq.12, 13, 20-23) and its readouts (Eq.31, 37).
+"""The matched-FLOPs residual law and its readouts (Eq.12, 13, 20-23; Eq.31, 37) of the X-MoD paper,
+"X-MoD: Practical Scaling Laws for Sparse-Depth Routing Beyond Mixture-of-Depths" (arXiv:2609.34212).
 
     Delta = e - u R_N + v P_D + w P_L - z R_AK                                  (Eq.22)
     R_N  = N_act^-eta_N [1 - (N/N_act)^-rho_N]                                  (Eq.12)
@@ -7,8 +8,8 @@
     R_AK = (K^rho_K - 1) [omega(A)^rho_A - 1],  omega(A) = 2A/(A+1)             (Eq.19-20)
 
 The paper's practical law (Eq.21) is this with v = 0. Units: N_act and N in parameters, L and D in
-tokens; the fitted u, w, v absorb them. Two conventions the paper leaves implicit, fixed here so that
-Table 8 reproduces the optima quoted in the issue (K^ = 3, 5, 9, 14, 21, 32 for L = 2k..64k at 556M):
+tokens; the fitted u, w, v absorb them. Two conventions the paper leaves implicit, fixed here; with
+them Table 8 gives Eq.(21)'s own optima K^ = 3, 5, 9, 14, 21, 32 for L = 2k..64k at 556M:
 
 - N/N_act is the capacity ratio of Eq.(4)/(5), i.e. of the transformer layer stack, so embeddings are
   left out of both (they would otherwise dilute the ratio at small backbones);
@@ -49,7 +50,7 @@ class LawParams:
         return replace(self, **changes)
 
 
-# Table 8 of seed 000: the shipped default.
+# Table 8 of the X-MoD paper: the shipped default.
 TABLE8 = LawParams(e=0.01848, u=0.93519, eta_N=0.07784, rho_N=1.19538, w=105.21108, eta_L=0.92624,
                    rho_L=0.48494, z=0.07455, rho_K=0.79900, rho_A=0.28293)
 

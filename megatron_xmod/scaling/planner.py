@@ -1,10 +1,12 @@
 """Pick K and A (Eq.10) from the law: at a fixed FLOP budget, or at a fixed wall-clock budget.
 
-FLOPs mode minimises the predicted matched-FLOPs residual Delta (Eq.21). That is the paper's design
-rule, and it ignores that deep sparse stacks run below the dense model's throughput (Table 11, review
-复核四). Wall-clock mode therefore takes measured tokens/s per configuration and compares the loss each
-reaches in the same time: a configuration that trains D tokens in that time spends the compute a
-dense model spends on D * phi/phi_D tokens, so its loss is L_dense(D * phi/phi_D) + Delta (Eq.37).
+FLOPs mode minimises the predicted matched-FLOPs residual Delta (Eq.21). That is the design rule of
+the X-MoD paper ("X-MoD: Practical Scaling Laws for Sparse-Depth Routing Beyond Mixture-of-Depths"),
+and it ignores that deep sparse stacks run below the dense model's throughput (the paper's Table 11:
+A3K16 needs half the dense FLOPs per token yet trains at 0.95x the dense throughput). Wall-clock
+mode therefore takes measured tokens/s per configuration and compares the loss each reaches in the
+same time: a configuration that trains D tokens in that time spends the compute a dense model spends
+on D * phi/phi_D tokens, so its loss is L_dense(D * phi/phi_D) + Delta (Eq.37).
 """
 from __future__ import annotations
 

@@ -3,19 +3,26 @@ from __future__ import annotations
 
 import os
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")  # files only: CI and training nodes have no display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from megatron_xmod.layout import LayoutError
+from megatron_xmod.scaling.design import design
+from megatron_xmod.scaling.law import LawParams, predict_delta, predict_loss
+from megatron_xmod.scaling.runs import Runs
 
-from megatron_xmod.layout import LayoutError  # noqa: E402
-from megatron_xmod.scaling.design import design  # noqa: E402
-from megatron_xmod.scaling.law import LawParams, predict_delta, predict_loss  # noqa: E402
-from megatron_xmod.scaling.runs import Runs  # noqa: E402
+
+def _pyplot():
+    """pyplot on the Agg backend, selected only when a plot is written (never at import time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: CI and training nodes have no display
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot_delta_vs_k(p: LawParams, runs: Runs, path: str) -> str:
+    plt = _pyplot()
     base = runs.subset(runs.A == 1)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     sweeps = sorted(set(zip(base.backbone.tolist(), base.L.tolist())), key=lambda s: (s[0], s[1]))
@@ -48,6 +55,7 @@ def plot_delta_vs_k(p: LawParams, runs: Runs, path: str) -> str:
 
 
 def plot_predicted_vs_observed(p: LawParams, runs: Runs, holdouts: dict, path: str) -> str:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 5))
     pred = predict_loss(p, runs.dense_loss, **runs.law_inputs())
     ax.scatter(runs.loss, pred, s=14, label="in-sample", color="black")

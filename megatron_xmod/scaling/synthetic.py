@@ -1,4 +1,6 @@
-"""Synthetic sweeps on the paper's scaling-law grid, from a known law plus noise.
+"""Synthetic sweeps on the scaling-law grid of the X-MoD paper, from a known law plus noise.
+
+X-MoD paper: "X-MoD: Practical Scaling Laws for Sparse-Depth Routing Beyond Mixture-of-Depths".
 
 For tests and for trying `xmod fit` before any run exists. The dense losses are a made-up smooth
 function of N_act and L; only the residual (loss - dense_loss) carries the law.
@@ -14,7 +16,8 @@ from megatron_xmod.presets import get_backbone
 from megatron_xmod.scaling.design import design
 from megatron_xmod.scaling.law import TABLE8, LawParams, predict_delta
 
-# The paper's grid (Scaling law 扫描网格); it does not list every K, so these are our choice.
+# The paper's scaling-law sweep grid (K-L, scale and anchor sweeps); it does not list every K, so
+# these K values are our choice.
 KL_SWEEP = dict(backbone="556m", L=(2048, 4096, 8192, 16384, 32768), K=(2, 4, 8, 12, 16, 24, 32), extra_2k=(3,))
 SCALE_SWEEP = dict(backbones=("165m", "298m", "556m", "936m"), L=32768, K=(2, 4, 8, 12, 16, 24, 32))
 ANCHOR_SWEEP = dict(backbone="165m", L=32768, A=(0.5, 1.0, 2.0, 3.0, 4.0, 5.0), K=(4, 8, 12, 16))
