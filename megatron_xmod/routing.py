@@ -1,6 +1,6 @@
 """The routing rules of MoD / X-MoD, in one place, in plain torch (the X-MoD paper, Eq.(6)-(9)).
 
-Reused by the megatron layers, the HF export, the diagnostics and the tests. Shapes follow
+Reused by the megatron layers, the diagnostics and the tests. Shapes follow
 megatron: scores are ``[s, b]`` (sequence first).
 
 - training: per-sequence top-k with k = L/K exactly; indices sorted by position so that causal

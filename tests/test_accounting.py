@@ -1,4 +1,4 @@
-"""Accounting reproduces Table 6 of seed 000 (N and FLOPs/token at L = 32768) and counts the real model."""
+"""Accounting reproduces Table 6 of the X-MoD paper (N and FLOPs/token at L = 32768) and counts the real model."""
 import json
 import subprocess
 import sys
