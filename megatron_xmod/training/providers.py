@@ -39,7 +39,7 @@ def build_model(args, pre_process=True, post_process=True, vp_stage=None, pg_col
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.training import get_args, get_tokenizer, print_rank_0
     from megatron.training.utils import get_blend_and_blend_per_split
 
@@ -51,8 +51,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
     )
+    # --mock-data: megatron's synthetic MockGPTDataset (no blend), as Megatron-LM's pretrain_gpt.py does.
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
-    datasets = BlendedMegatronDatasetBuilder(GPTDataset, train_val_test_num_samples, lambda: True, config).build()
+    datasets = BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, lambda: True, config).build()
     print_rank_0("> finished creating GPT datasets ...")
     return datasets
 

@@ -1,0 +1,87 @@
+"""Validate a launch without running it: megatron's full argument validation plus the plugin's own,
+at the launch's world size, with no GPU and no process group.
+
+    WORLD_SIZE=64 python -m megatron_xmod.training.dry_run [the entry point's arguments]
+
+Takes exactly the arguments of ``python -m megatron_xmod.pretrain``, expands them the same way, runs
+``megatron.training.arguments.parse_and_validate_args`` (``validate_args`` reads the world size from
+``WORLD_SIZE``; this process plays rank 0 and starts nothing distributed), then
+``megatron_xmod.pretrain._validate_before_training`` (the XModConfig / MoEConfig build, sequence
+length against K, data paths and the split). Prints data-parallel size, TP, PP, the global batch
+(sequences per step) and the iterations; exits 1 with megatron's (or our) message when the run
+would fail, 0 otherwise. The slurm launchers run it before ``srun`` (and alone with ``DRY_RUN=1``).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from typing import Optional
+
+
+def validate(argv: list[str]):
+    """megatron's parsed and validated arguments for ``argv`` (the entry point's command line)."""
+    from megatron_xmod.pretrain import _validate_before_training
+    from megatron_xmod.training import patches
+    from megatron_xmod.training.flags import add_arguments, expand_arguments
+
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ["RANK"] = "0"  # validation as rank 0 sees it; rank 0 writes no tensorboard/wandb
+    with patches.cpu_patches(training=True):
+        expanded = expand_arguments(list(argv))
+        import megatron.training.global_vars as global_vars
+        from megatron.training.arguments import parse_and_validate_args
+
+        # A dry run writes nothing: no tensorboard / wandb / one-logger writers (they would create
+        # the run's folders); everything else of set_global_variables runs (tokenizer included).
+        for name in ("_set_tensorboard_writer", "_set_wandb_writer", "_set_one_logger"):
+            setattr(global_vars, name, lambda args: None)
+        saved = sys.argv
+        sys.argv = [saved[0] if saved else "dry_run"] + expanded
+        log = io.StringIO()  # megatron prints every argument; shown only with XMOD_DRY_RUN_VERBOSE=1
+        try:
+            with contextlib.redirect_stdout(sys.stdout if os.environ.get("XMOD_DRY_RUN_VERBOSE") == "1" else log):
+                args = parse_and_validate_args(extra_args_provider=add_arguments)
+        except BaseException:
+            sys.stdout.write("".join(line for line in log.getvalue().splitlines(True) if not line.startswith("  ")))
+            raise
+        finally:
+            sys.argv = saved
+        _validate_before_training(args)
+    return args
+
+
+def summary(args) -> str:
+    tokens = args.global_batch_size * args.seq_length
+    iters = args.train_iters if args.train_iters is not None else f"{args.train_samples} samples"
+    return (f"[dry-run] OK: world size {args.world_size} = data-parallel {args.data_parallel_size} x "
+            f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x "
+            f"CP {args.context_parallel_size}\n"
+            f"[dry-run] global batch {args.global_batch_size} sequences per step ({tokens:,} tokens at L = "
+            f"{args.seq_length}), micro-batch {args.micro_batch_size}, "
+            f"{args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)} micro-batches per rank\n"
+            f"[dry-run] iterations {iters}, layers {args.num_layers}, "
+            f"model {getattr(args, 'xmod_routing_family', 'dense')}"
+            + (f" + {args.num_experts} experts" if getattr(args, "num_experts", None) else "")
+            + f", dropout attention {args.attention_dropout} hidden {args.hidden_dropout}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = validate(argv)
+    except SystemExit as exit_:  # argparse: unknown/invalid flag (its message is already printed)
+        code = exit_.code if isinstance(exit_.code, int) else 1
+        print(f"[dry-run] FAILED: megatron's argument parser rejected the command line (exit {code})", file=sys.stderr)
+        return code or 1
+    except (AssertionError, ValueError, FileNotFoundError, RuntimeError, TypeError) as error:
+        kind = "megatron" if isinstance(error, AssertionError) else type(error).__name__
+        print(f"[dry-run] FAILED ({kind}): {error}", file=sys.stderr)
+        return 1
+    print(summary(args), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
