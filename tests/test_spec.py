@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import TINY, tiny_model
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -12,8 +13,6 @@ from megatron_xmod.accounting import count_model
 from megatron_xmod.layers import XModSparseLayer
 from megatron_xmod.model import sparse_layers
 from megatron_xmod.routing_state import routing_states
-
-from helpers import TINY, tiny_model
 
 SEQ = 32
 
@@ -68,3 +67,54 @@ def test_two_models_from_one_spec_get_two_states(seeded):
     assert routing_states(first)[0] is not routing_states(second)[0]
     assert xmod_spec.LayoutLayer._chunk_state is None  # nothing outlives a build
     assert all(isinstance(m, XModSparseLayer) for m in first.decoder.layers[1:3])
+
+
+def _builder_config(config, layer_spec):
+    from megatron.training.models.gpt import GPTModelConfig
+
+    return GPTModelConfig(transformer=_plain(config), transformer_layer_spec=layer_spec, vocab_size=TINY.vocab_size,
+                          seq_length=SEQ, position_embedding_type="rope", rotary_base=TINY.rotary_base,
+                          share_embeddings_and_output_weights=False)
+
+
+@pytest.mark.parametrize("as_callable", [False, True])
+def test_gpt_model_builder_builds_the_routed_layers(seeded, as_callable):
+    """megatron's GPTModelBuilder (what Megatron-LM 0.19's pretrain_gpt.py builds through) uses a
+    ModuleSpec as it is and calls a callable one with (GPTModelConfig, vp_stage=...)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    layout = "D + (S4*2 + D)*2"
+    _, config = tiny_model(layout)
+    seen = []
+
+    def callable_spec(model_config, vp_stage=None):
+        seen.append((type(model_config).__name__, vp_stage))
+        return xmod_spec.layout_spec(layout)
+
+    layer_spec = callable_spec if as_callable else xmod_spec.layout_spec(layout)
+    model = GPTModelBuilder(_builder_config(config, layer_spec)).build_model(
+        ProcessGroupCollection.use_mpu_process_groups(), pre_process=True, post_process=True)
+    assert seen == ([("GPTModelConfig", None)] if as_callable else [])
+    assert sum(p.numel() for p in model.parameters()) == count_model(TINY, config.layer_layout, SEQ).total_params
+    assert [type(m).__name__ for m in model.decoder.layers] == ["TransformerLayer"] + (["XModSparseLayer"] * 2 + ["TransformerLayer"]) * 2
+    (state,) = routing_states(model)
+    assert state.eval_rule == "threshold"  # evaluation routes by the causal threshold unless told otherwise
+
+
+def test_router_bce_coefficient_reaches_the_gradient(seeded):
+    """Megatron-LM's loss_func only sums the LM loss: the router BCE must reach the gradient from
+    inside the layer (RouterLossAutoScaler), so the coefficient changes the router's gradient."""
+    layout = "D + (S4*2 + D)"
+    _, config = tiny_model(layout)
+    grads = []
+    for coefficient in (0.0, 1.0):
+        torch.manual_seed(5)
+        model = _gpt(_plain(config), xmod_spec.layout_spec(layout, router_bce_coeff=coefficient))
+        tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+        positions = torch.arange(SEQ).expand_as(tokens)
+        model(tokens, positions, None, labels=tokens).sum().backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if "router" in name})
+    assert grads[0], "no router parameters found"
+    for name in grads[0]:
+        assert not torch.allclose(grads[0][name], grads[1][name]), name
