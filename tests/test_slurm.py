@@ -1,0 +1,197 @@
+"""The SLURM launchers: DRY_RUN (megatron's full validation at the launch's world size), the empty-split
+error, --mock-data, and SMOKE=1 end to end under a real local slurmctld + slurmd + munge."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SLURM = ROOT / "slurm"
+GENERIC = SLURM / "xmod_train.sh"
+LAUNCHERS = sorted(p.name for p in SLURM.glob("*.sh"))
+# Named launchers: (nodes x GPUs per node, TP) each must validate at.
+NAMED = {"xmod_1p65b.sh": (64, 8), "dense_1p65b.sh": (64, 8), "moe8x64_1p65b.sh": (64, 8)}
+TABLE6_BACKBONES = ("165m", "298m", "556m", "936m", "1.65b")
+TABLE6_MODELS = ("dense", "mod", "xmod-a4k8", "xmod-a3k16", "moe-8x64", "moe-8x128")
+
+
+def _launch(script: str | Path, timeout: int = 300, **env) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # not inside a job
+    for knob in ("NODES", "NPROC", "TP", "PP", "SEQ", "GBS", "BACKBONE", "MODEL", "FLOPS", "DATA", "ITERS",
+                 "EXTRA_ARGS", "SMOKE", "DRY_RUN", "SPLIT"):
+        clean.pop(knob, None)
+    clean.update({k: str(v) for k, v in env.items()})
+    return subprocess.run(["bash", str(script)], cwd=ROOT, env=clean, capture_output=True, text=True, timeout=timeout)
+
+
+def _summary(proc: subprocess.CompletedProcess) -> dict:
+    out = proc.stdout
+    m = re.search(r"world size (\d+) = data-parallel (\d+) x TP (\d+) x PP (\d+)", out)
+    g = re.search(r"global batch (\d+) sequences per step", out)
+    it = re.search(r"\[dry-run\] iterations (\d+), layers (\d+)", out)
+    assert m and g and it, f"no dry-run summary:\n{out[-3000:]}\n{proc.stderr[-3000:]}"
+    return {"world": int(m[1]), "dp": int(m[2]), "tp": int(m[3]), "pp": int(m[4]), "gbs": int(g[1]),
+            "iters": int(it[1]), "layers": int(it[2])}
+
+
+def _write_corpus(prefix: Path, num_documents: int) -> str:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.uint16)
+    for i in range(num_documents):
+        builder.add_document(torch.arange(50 + i, dtype=torch.int64) % 200, [50 + i])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+# ----------------------------------------------------------------------------- fast: split arithmetic
+def test_split_ranges_follow_megatron_arithmetic():
+    from megatron_xmod.pretrain import split_document_ranges, working_split
+
+    assert split_document_ranges("99,1,0", 10) == [(0, 10), (10, 10), None]  # validation empty
+    assert split_document_ranges("99,1,0", 1000) == [(0, 990), (990, 1000), None]
+    assert working_split("99,1,0", 10) == "9,1,0"
+    assert split_document_ranges("9,1,0", 10) == [(0, 9), (9, 10), None]
+    assert working_split("98,1,1", 3) == "1,1,1"
+    assert working_split("99,1,0", 1) is None  # one document cannot feed two splits
+
+
+def test_empty_validation_split_is_an_error_naming_the_split_and_a_fix(tmp_path):
+    from megatron_xmod.pretrain import _check_split
+
+    prefix = _write_corpus(tmp_path / "small", 10)
+    args = SimpleNamespace(data_path=[prefix], split="99,1,0", train_iters=10, train_samples=None, eval_iters=2)
+    with pytest.raises(ValueError, match=r"split: --split 99,1,0 leaves the validation split .* empty .*"
+                                         r"10 documents.*--split 9,1,0"):
+        _check_split(args)
+    _check_split(SimpleNamespace(**{**vars(args), "split": "9,1,0"}))  # the suggested split works
+    _check_split(SimpleNamespace(**{**vars(args), "eval_iters": 0}))  # no validation: nothing to build
+    weighted = SimpleNamespace(**{**vars(args), "data_path": ["0.5", prefix, "0.5", prefix]})
+    with pytest.raises(ValueError, match="validation split"):
+        _check_split(weighted)
+
+
+def test_bad_backbone_and_missing_data_fail_before_python_work():
+    proc = _launch(GENERIC, BACKBONE="2b", timeout=60)
+    assert proc.returncode == 2 and "BACKBONE: '2b' is not one of" in proc.stderr
+    proc = _launch(GENERIC, BACKBONE="165m", MODEL="dense", ITERS=1, timeout=60)  # a real run needs DATA
+    assert proc.returncode == 2 and "DATA: set DATA" in proc.stderr
+
+
+def test_named_launchers_are_thin_wrappers_of_the_generic_one():
+    for name in NAMED:
+        text = (SLURM / name).read_text()
+        assert 'exec bash "$HERE/xmod_train.sh"' in text
+        assert "srun" not in text and "torch.distributed.run" not in text
+    assert set(NAMED) | {"xmod_train.sh"} == set(LAUNCHERS)
+
+
+# ----------------------------------------------------------------------------- DRY_RUN
+@pytest.mark.slow
+def test_headline_dry_run_is_data_parallel_8_tp_8_80_sequences():
+    proc = _launch(SLURM / "xmod_1p65b.sh", DRY_RUN=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = _summary(proc)
+    assert (s["world"], s["dp"], s["tp"], s["pp"], s["gbs"]) == (64, 8, 8, 1, 80)
+    assert "--attention-dropout 0 --hidden-dropout 0" in proc.stdout
+    assert "[xmod] command: srun" in proc.stdout and not (ROOT / "runs" / "xmod-1p65b").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_every_launcher_passes_dry_run_at_its_own_world_size(launcher):
+    proc = _launch(SLURM / launcher, DRY_RUN=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = _summary(proc)
+    world, tp = NAMED.get(launcher, (64, 8))  # the generic default is the headline run
+    assert (s["world"], s["tp"], s["dp"], s["gbs"]) == (world, tp, world // tp, 80)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backbone", TABLE6_BACKBONES)
+@pytest.mark.parametrize("model", TABLE6_MODELS)
+def test_table6_configuration_passes_dry_run_through_the_generic_launcher(backbone, model):
+    from megatron_xmod.presets import get_backbone, parse_model
+
+    proc = _launch(GENERIC, DRY_RUN=1, BACKBONE=backbone, MODEL=model)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    s = _summary(proc)
+    tp = 8 if backbone == "1.65b" else 1  # TP 8 where the paper used it, DDP elsewhere
+    assert (s["tp"], s["world"], s["dp"], s["gbs"]) == (tp, 64 if tp == 8 else 8, 8, 80)
+    assert s["layers"] == parse_model(model, get_backbone(backbone)).layout.num_layers
+    assert s["iters"] > 1
+
+
+@pytest.mark.slow
+def test_dry_run_fails_with_megatrons_message_when_the_batch_does_not_divide():
+    proc = _launch(SLURM / "xmod_1p65b.sh", DRY_RUN=1, GBS=76)
+    assert proc.returncode != 0
+    assert "eval_global_batch_size (76) must be divisible by eval_micro_batch_size (1) * data_parallel_size (8)" \
+        in proc.stderr
+    assert "nothing was started" in proc.stderr
+
+
+@pytest.mark.slow
+def test_dry_run_with_a_small_corpus_names_the_empty_split(tmp_path):
+    prefix = _write_corpus(tmp_path / "small", 10)
+    env = dict(DRY_RUN=1, BACKBONE="165m", MODEL="dense", NPROC=1, SEQ=1024, GBS=8, ITERS=10, DATA=prefix)
+    proc = _launch(GENERIC, **env)
+    assert proc.returncode != 0 and "split: --split 99,1,0 leaves the validation split" in proc.stderr
+    assert "--split 9,1,0" in proc.stderr
+    proc = _launch(GENERIC, SPLIT="9,1,0", **env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_mock_data_trains_through_the_entry_point(tmp_path):
+    from megatron_xmod.demo import CPU_FLAGS
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=0",
+           "-m", "megatron_xmod.pretrain", "--hidden-size", "64", "--num-attention-heads", "4",
+           "--ffn-hidden-size", "128", "--num-layers", "2", "--seq-length", "64", "--max-position-embeddings", "64",
+           "--position-embedding-type", "rope", "--no-rope-fusion", "--micro-batch-size", "2",
+           "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
+           "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", *CPU_FLAGS,
+           "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"iteration\s+2/\s*2", out) and "validation loss at iteration 2" in out
+
+
+# ----------------------------------------------------------------------------- SMOKE=1 under a real slurmctld
+@pytest.mark.slow
+def test_smoke_run_under_a_local_slurm(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from slurm_helpers import LocalSlurm, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    state, run_dir = tmp_path / "slurm", tmp_path / "run"
+    out = tmp_path / "job.out"
+    with LocalSlurm(state) as slurm:
+        env = dict(slurm.env, SMOKE="1", XMOD_ROOT=str(ROOT), SMOKE_DIR=str(run_dir))
+        for knob in ("NODES", "NPROC", "TP", "ITERS", "EXTRA_ARGS", "DRY_RUN", "DATA"):
+            env.pop(knob, None)
+        # The launcher's #SBATCH lines ask for 8 GPUs and 32 CPUs; the command line wins.
+        proc = slurm.run(["sbatch", "--wait", "--gpus-per-node=0", f"--cpus-per-task={os.cpu_count() or 1}",
+                          f"--output={out}", str(GENERIC)], check=False, env=env, timeout=1200)
+        log = out.read_text() if out.exists() else ""
+        assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{log[-5000:]}"
+    assert "[dry-run] OK: world size 2 = data-parallel 1 x TP 2" in log  # validated before srun
+    assert re.search(r"iteration\s+4/\s*4", log), log[-3000:]
+    assert re.search(r"validation loss at iteration \d+ .*lm loss value: [0-9.E+-]+", log), log[-3000:]
+    assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert any((run_dir / "ckpt" / "iter_0000004").iterdir())
+    assert list((run_dir / "tb").iterdir())
+    assert not slurm.pids  # every daemon it started was stopped by pid
