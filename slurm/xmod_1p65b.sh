@@ -18,4 +18,5 @@ set -euo pipefail
 export BACKBONE="${BACKBONE:-1.65b}" MODEL="${MODEL:-xmod-a3k16}" NODES="${NODES:-8}" NPROC="${NPROC:-8}" TP="${TP:-8}"
 if [ -n "${SLURM_JOB_ID:-}" ] && [ -n "${SLURM_SUBMIT_DIR:-}" ]; then HERE="${XMOD_ROOT:-$SLURM_SUBMIT_DIR}/slurm"
 else HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"; fi
+[ -f "$HERE/xmod_train.sh" ] || { echo "[xmod] error: XMOD_ROOT: no $HERE/xmod_train.sh; submit from the repository root or set XMOD_ROOT" >&2; exit 2; }
 exec bash "$HERE/xmod_train.sh" "$@"
