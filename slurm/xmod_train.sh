@@ -89,9 +89,7 @@ else
 
   # MoE baselines are --moe-preset (megatron's MoE layers on the dense backbone), the rest a layout.
   case "$MODEL" in
-    moe-*|dtopp-*) MODEL_ARGS=(--xmod-backbone "$BACKBONE" --moe-preset "$MODEL")
-                   # megatron: MoE with tensor parallelism needs sequence parallelism.
-                   [ "$TP" -gt 1 ] && MODEL_ARGS+=(--sequence-parallel) ;;
+    moe-*|dtopp-*) MODEL_ARGS=(--xmod-backbone "$BACKBONE" --moe-preset "$MODEL") ;;
     *) MODEL_ARGS=(--xmod-backbone "$BACKBONE" --xmod-model "$MODEL") ;;
   esac
 
@@ -133,8 +131,12 @@ TRAIN_ARGS=("${MODEL_ARGS[@]}"
   "${EXTRA[@]}")
 
 echo "[xmod] $DESC: $NODES node(s) x $NPROC processes = world size $WORLD_SIZE, TP $TP, PP $PP, $GBS sequences per step"
-echo "[xmod] command: srun --kill-on-bad-exit=1 $PY -m torch.distributed.run --nnodes=$NODES --nproc_per_node=$NPROC" \
-     "... -m megatron_xmod.pretrain $(printf '%q ' "${TRAIN_ARGS[@]}")"
+MASTER_PORT=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
+CMD=(srun --kill-on-bad-exit=1 --nodes="$NODES" --ntasks-per-node=1 "$PY" -m torch.distributed.run
+     --nnodes="$NODES" --nproc_per_node="$NPROC"
+     --rdzv_backend=c10d --rdzv_endpoint="\$MASTER_ADDR:$MASTER_PORT" --rdzv_id="${SLURM_JOB_ID:-\$SLURM_JOB_ID}"
+     -m megatron_xmod.pretrain "${TRAIN_ARGS[@]}")
+echo "[xmod] command: $(printf '%q ' "${CMD[@]}")"
 
 # Validate at the launch's world size before anything distributed starts (cheap: no GPU, no process group).
 if [ "$DRY_RUN" = 1 ] || [ "${SKIP_DRY_RUN:-0}" != 1 ]; then
@@ -145,10 +147,7 @@ fi
 
 [ -n "${SLURM_JOB_ID:-}" ] || die "not inside a SLURM job: submit with sbatch (or DRY_RUN=1 to only validate)"
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 1000))} CUDA_DEVICE_MAX_CONNECTIONS=1
-[ "$SMOKE" = 1 ] && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-
-srun --kill-on-bad-exit=1 --nodes="$NODES" --ntasks-per-node=1 "$PY" -m torch.distributed.run \
-  --nnodes="$NODES" --nproc_per_node="$NPROC" \
-  --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$SLURM_JOB_ID" \
-  -m megatron_xmod.pretrain "${TRAIN_ARGS[@]}"
+export MASTER_ADDR MASTER_PORT CUDA_DEVICE_MAX_CONNECTIONS=1
+if [ "$SMOKE" = 1 ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
+CMD=("${CMD[@]/\$MASTER_ADDR/$MASTER_ADDR}")  # the rendezvous endpoint, now that the node list is known
+exec "${CMD[@]}"
