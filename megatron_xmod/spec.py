@@ -16,13 +16,21 @@ Any other layout: write a module of your own with ::
     from megatron_xmod.spec import layout_spec
     my_model = layout_spec("D*4 + (S8*8 + D)*4", family="xmod", token_choice_bias_tau=0.5)
 
-and launch with ``--spec my_module my_model``. Megatron swallows an ImportError of ``--spec`` and
-then trains its default dense model: check the ``[xmod] --spec built layers`` line each stage
-prints, or count the parameters against ``xmod count``.
+and launch with ``--spec my_module my_model``. Megatron swallows an ImportError of ``--spec``'s
+module and then trains its default dense model: check a launch beforehand with ::
+
+    python -m megatron_xmod.spec my_module my_model --num-layers 16
+
+(imports the spec as megatron does but lets errors through, prints its layout, exits 2 when
+``--num-layers`` disagrees), and in the run, the ``[xmod] --spec built layers`` line each stage
+prints, or the parameter count against ``xmod count``.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib
+import sys
 from typing import Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -112,3 +120,42 @@ dense = layout_spec(NAMED_LAYOUTS["dense"][1], family="dense")
 mod = layout_spec(NAMED_LAYOUTS["mod"][1], family="mod")
 xmod_a4k8 = layout_spec(NAMED_LAYOUTS["xmod-a4k8"][1])
 xmod_a3k16 = layout_spec(NAMED_LAYOUTS["xmod-a3k16"][1])
+
+
+def resolve(module: str, name: str) -> ModuleSpec:
+    """The object ``--spec MODULE NAME`` names, imported as megatron's ``import_module`` does, but an
+    ImportError (which megatron logs and then builds its default dense model) propagates here."""
+    from megatron_xmod import spec as this  # the importable module, also when run as __main__
+
+    obj = getattr(importlib.import_module(module), name, None)
+    if obj is None:
+        raise AttributeError(f"--spec: module {module!r} has no {name!r}")
+    if not (isinstance(obj, ModuleSpec) and obj.module is this.LayoutLayer):
+        raise TypeError(f"--spec: {module}.{name} is not a megatron_xmod layout spec (make it with "
+                        "megatron_xmod.spec.layout_spec(...))")
+    return obj
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_xmod.spec",
+                                     description="Check a --spec MODULE NAME before launching Megatron-LM with it.")
+    parser.add_argument("module")
+    parser.add_argument("name")
+    parser.add_argument("--num-layers", type=int, default=None, help="the launch's --num-layers, checked against the layout")
+    args = parser.parse_args(argv)
+    try:
+        layout = resolve(args.module, args.name).params["xmod"].parsed()
+    except (ImportError, AttributeError, TypeError) as error:
+        print(f"megatron_xmod.spec: error: {error}", file=sys.stderr)
+        return 2
+    print(f"--spec {args.module} {args.name}: {layout.family}, {layout.num_layers} layers "
+          f"({layout.num_sparse_layers} routed): {layout.notation}")
+    if args.num_layers is not None and args.num_layers != layout.num_layers:
+        print(f"megatron_xmod.spec: error: num_layers: {args.num_layers} does not match the --spec layout, which has "
+              f"{layout.num_layers} physical layers; set --num-layers {layout.num_layers}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

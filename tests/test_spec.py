@@ -118,3 +118,17 @@ def test_router_bce_coefficient_reaches_the_gradient(seeded):
     assert grads[0], "no router parameters found"
     for name in grads[0]:
         assert not torch.allclose(grads[0][name], grads[1][name]), name
+
+
+def test_spec_check_cli_lets_import_errors_through(capsys):
+    """megatron's import_module logs an ImportError and builds its dense default; the check does not."""
+    assert xmod_spec.main(["megatron_xmod.spec", "xmod_a3k16", "--num-layers", "298"]) == 0
+    assert "xmod, 298 layers (288 routed): D*4 + (S16*48 + D)*6" in capsys.readouterr().out
+    assert xmod_spec.main(["megatron_xmod.spec", "xmod_a3k16", "--num-layers", "28"]) == 2
+    assert "num_layers: 28 does not match the --spec layout" in capsys.readouterr().err
+    assert xmod_spec.main(["megatron_xmod.spek", "xmod_a3k16"]) == 2
+    assert "No module named 'megatron_xmod.spek'" in capsys.readouterr().err
+    assert xmod_spec.main(["megatron_xmod.spec", "xmod_a3k61"]) == 2
+    assert "has no 'xmod_a3k61'" in capsys.readouterr().err
+    assert xmod_spec.main(["megatron_xmod.spec", "LayoutLayer"]) == 2
+    assert "not a megatron_xmod layout spec" in capsys.readouterr().err

@@ -1,0 +1,139 @@
+"""``--spec megatron_xmod.spec ...`` in Megatron-LM's own, unmodified ``pretrain_gpt.py`` (tag
+core_v0.19.0, ../shared/reference/), run through tests/run_megatron_lm.py under torchrun on CPU.
+
+Each launch is compared with ``python -m megatron_xmod.pretrain`` given the same megatron flags and
+seed (and ``--xmod-layout`` for the layout the spec carries): same loss at every iteration for TP1,
+TP2 and PP2; the routed layers really built (megatron's parameter count equals ``xmod count``'s
+count_model, which differs from the dense model's); the router BCE reaches the loss; evaluation
+uses threshold routing; a wrong ``--num-layers`` stops with an error naming the field.
+"""
+from __future__ import annotations
+
+import pytest
+from entry_point_helpers import (
+    RUNNER,
+    common_flags,
+    parameter_counts,
+    torchrun,
+    train_losses,
+    validation_losses,
+    write_byte_data,
+)
+from helpers import TINY
+from run_megatron_lm import MEGATRON_LM_DIR
+from spec_models import LAYOUT
+
+from megatron_xmod.accounting import count_model
+from megatron_xmod.layout import parse_layout
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (MEGATRON_LM_DIR / "pretrain_gpt.py").is_file(),
+                       reason=f"no Megatron-LM pretrain_gpt.py at {MEGATRON_LM_DIR}"),
+]
+
+ITERS = 8
+PARALLEL = {"tp1": (1, []), "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+            "pp2": (2, ["--pipeline-model-parallel-size", "2"])}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_byte_data(str(tmp_path_factory.mktemp("data") / "bytes"))
+
+
+class Runs:
+    """Launches on demand and keeps each (route, parallel, extra) result for the module."""
+
+    def __init__(self, data):
+        self.data, self.cache = data, {}
+
+    def megatron_lm(self, parallel: str, spec: str = "tiny", *extra: str, check: bool = True):
+        nproc, flags = PARALLEL[parallel]
+        argv = ["--spec", "spec_models", spec, "--num-layers", "8", *flags, *common_flags(self.data, ITERS, *extra)]
+        return self._run(("megatron-lm", parallel, spec, extra), nproc, [str(RUNNER)], argv, check)
+
+    def ours(self, parallel: str, *extra: str):
+        nproc, flags = PARALLEL[parallel]
+        argv = ["--xmod-routing-family", "xmod", "--xmod-layout", LAYOUT, *flags,
+                *common_flags(self.data, ITERS, *extra)]
+        return self._run(("ours", parallel, extra), nproc, ["-m", "megatron_xmod.pretrain"], argv, True)
+
+    def _run(self, key, nproc, target, argv, check):
+        if key not in self.cache:
+            result = torchrun(nproc, target, argv, check=check)
+            self.cache[key] = (result.returncode, result.stdout + result.stderr)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def runs(data):
+    return Runs(data)
+
+
+@pytest.mark.parametrize("parallel", list(PARALLEL))
+def test_pretrain_gpt_with_spec_matches_our_entry_point(runs, parallel):
+    _, theirs = runs.megatron_lm(parallel)
+    _, ours = runs.ours(parallel)
+    their_losses, our_losses = train_losses(theirs), train_losses(ours)
+    assert sorted(their_losses) == list(range(1, ITERS + 1)), theirs[-3000:]
+    for iteration in range(1, ITERS + 1):
+        # same weights (CPU init, same seed), same samples, same loss: megatron prints 7 digits
+        assert their_losses[iteration] == pytest.approx(our_losses[iteration], rel=1e-6, abs=0), iteration
+    assert their_losses[ITERS] < their_losses[1] - 0.5  # and it learns
+    # each stage built its own part of the layout, with its routed layers
+    stages = {"tp1": ["1-8 of 8 (4 routed"], "tp2": ["1-8 of 8 (4 routed"] * 2,
+              "pp2": ["1-4 of 8 (2 routed", "5-8 of 8 (2 routed"]}[parallel]
+    built = sorted(line.split("layers ", 1)[1][:18] for line in theirs.splitlines() if "[xmod] --spec built layers" in line)
+    assert built == sorted(stages), built
+    # evaluation: the threshold rule (the RoutingState default), i.e. our entry point's "lm loss",
+    # not its "lm loss topk routing"
+    their_eval, our_eval = validation_losses(theirs), validation_losses(ours)
+    assert sorted(their_eval) == [4, 8]
+    for iteration in (4, 8):
+        assert their_eval[iteration]["lm loss"] == pytest.approx(our_eval[iteration]["lm loss"], rel=1e-6, abs=0)
+        if "lm loss topk routing" in our_eval[iteration]:  # reported without pipeline parallelism
+            assert their_eval[iteration]["lm loss"] != our_eval[iteration]["lm loss topk routing"]
+
+
+@pytest.mark.parametrize("parallel", ["tp1", "pp2"])
+def test_megatron_parameter_count_is_the_routed_models(runs, parallel):
+    """Summed over the pipeline stages (untied embeddings: nothing is counted twice)."""
+    _, theirs = runs.megatron_lm(parallel)
+    counts = parameter_counts(theirs)
+    assert sorted(counts) == ([(0, 0)] if parallel == "tp1" else [(0, 0), (0, 1)]), counts
+    routed = count_model(TINY, parse_layout(LAYOUT, "xmod"), 64).total_params
+    dense = count_model(TINY, parse_layout("D*8", "dense"), 64).total_params
+    assert routed != dense
+    assert sum(counts.values()) == routed
+
+
+def test_router_bce_reaches_the_loss(runs):
+    """Megatron-LM's loss_func sums only the LM loss; the BCE enters through the layers' backward:
+    a larger coefficient leaves iteration 1's loss (before any update) as it is and changes the
+    later ones, exactly as --xmod-router-bce-coeff does in our entry point."""
+    default = train_losses(runs.megatron_lm("tp1")[1])
+    strong = train_losses(runs.megatron_lm("tp1", "tiny_strong_bce")[1])
+    assert strong[1] == default[1]
+    assert all(strong[i] != default[i] for i in range(2, ITERS + 1)), (strong, default)
+    ours = train_losses(runs.ours("tp1", "--xmod-router-bce-coeff", "0.5")[1])
+    for iteration in range(1, ITERS + 1):
+        assert strong[iteration] == pytest.approx(ours[iteration], rel=1e-6, abs=0), iteration
+
+
+def test_num_layers_disagreeing_with_the_layout_is_a_clear_error(runs):
+    returncode, output = runs.megatron_lm("tp1", "tiny", "--num-layers", "9", check=False)
+    assert returncode != 0
+    assert "num_layers: 9 does not match the --spec layout 'D + (S4*2 + D)*2 + D'" in output
+    assert "set --num-layers 8" in output
+    assert "iteration        1/" not in output
+
+
+def test_misspelt_spec_module_silently_builds_megatrons_dense_model(runs):
+    """Why docs/cluster.md says to check the build: megatron's import_module logs the ImportError and
+    returns None, and pretrain_gpt.py then builds its default dense layers (--num-layers of them)."""
+    _, output = runs.megatron_lm("tp1", "tiny", "--spec", "spec_modelz", "tiny", "--train-iters", "1")
+    assert "couldn't import module due to No module named 'spec_modelz'" in output
+    assert "[xmod] --spec built layers" not in output
+    dense = count_model(TINY, parse_layout("D*8", "dense"), 64).total_params
+    assert parameter_counts(output) == {(0, 0): dense}
