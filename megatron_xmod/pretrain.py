@@ -74,8 +74,10 @@ def split_document_ranges(split: str, num_documents: int) -> list[Optional[tuple
     documents, by megatron's own arithmetic (``parse_and_normalize_split``,
     ``convert_split_vector_to_split_matrix`` and the rounding of ``_build_megatron_dataset_splits``);
     None for a split of weight 0."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
-                                                                        parse_and_normalize_split)
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
 
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     return [None if bookends is None else (int(round(bookends[0] * float(num_documents))),

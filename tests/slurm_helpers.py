@@ -91,7 +91,7 @@ class LocalSlurm:
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         self.pids: dict[str, int] = {}
 
-    def __enter__(self) -> "LocalSlurm":
+    def __enter__(self) -> LocalSlurm:
         try:
             self.start()
         except BaseException:

@@ -188,6 +188,15 @@ def test_smoke_run_under_a_local_slurm(tmp_path):
                           f"--output={out}", str(GENERIC)], check=False, env=env, timeout=1200)
         log = out.read_text() if out.exists() else ""
         assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{log[-5000:]}"
+        # DRY_RUN under sbatch: the headline wrapper, squeezed onto this one node, validates at 1 x 8.
+        dry_out = tmp_path / "dry.out"
+        dry_env = dict(env, DRY_RUN="1")
+        dry_env.pop("SMOKE")
+        dry = slurm.run(["sbatch", "--wait", "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={os.cpu_count() or 1}",
+                         f"--output={dry_out}", str(SLURM / "xmod_1p65b.sh")], check=False, env=dry_env, timeout=600)
+        dry_log = dry_out.read_text() if dry_out.exists() else ""
+        assert dry.returncode == 0, f"{dry.stdout}\n{dry.stderr}\n{dry_log[-3000:]}"
+    assert "[dry-run] OK: world size 8 = data-parallel 1 x TP 8" in dry_log and "srun" not in dry_log.split("[dry-run]")[-1]
     assert "[dry-run] OK: world size 2 = data-parallel 1 x TP 2" in log  # validated before srun
     assert re.search(r"iteration\s+4/\s*4", log), log[-3000:]
     assert re.search(r"validation loss at iteration \d+ .*lm loss value: [0-9.E+-]+", log), log[-3000:]
