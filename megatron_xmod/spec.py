@@ -65,6 +65,42 @@ class LayoutSpecParams:
             gate_scale_init=self.gate_scale_init, block=layer.block, index_in_block=layer.index_in_block)
 
 
+@dataclasses.dataclass
+class _CoreAttentionSlot:
+    core_attention: Optional[type] = None
+
+
+@dataclasses.dataclass
+class _SelfAttentionSlot:
+    submodules: _CoreAttentionSlot = dataclasses.field(default_factory=_CoreAttentionSlot)
+
+
+@dataclasses.dataclass
+class LayoutSubmodules:
+    """A layout spec's ``submodules``: the layers' real submodules depend on the config (TE or local)
+    and are chosen while building. megatron's ``GPTModelBuilder`` writes
+    ``spec.submodules.self_attention.submodules.core_attention`` for ``--attention-backend local``
+    (training/models/gpt.py:298 in megatron-core 0.19.2); that choice is kept here and every layer of
+    the layout is then built with it."""
+
+    self_attention: _SelfAttentionSlot = dataclasses.field(default_factory=_SelfAttentionSlot)
+
+
+def _layer_submodules(config, submodules):
+    from megatron_xmod.block import get_layer_submodules, resolve_use_transformer_engine
+
+    if submodules is not None and not isinstance(submodules, LayoutSubmodules):
+        return submodules
+    built = get_layer_submodules(config, resolve_use_transformer_engine(config, None))
+    core_attention = None if submodules is None else submodules.self_attention.submodules.core_attention
+    if core_attention is None:
+        return built
+    attention = built.self_attention
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=core_attention))
+    return dataclasses.replace(built, self_attention=attention)
+
+
 class LayoutLayer(TransformerLayer):
     """Builds the layer its layout puts at this position (a subclass of ``TransformerLayer`` only so
     that megatron's block accepts the spec; instances are megatron's or our own layer classes).
@@ -78,7 +114,6 @@ class LayoutLayer(TransformerLayer):
     _chunk_state: Optional[RoutingState] = None
 
     def __new__(cls, config, submodules=None, layer_number: int = 1, *, xmod: LayoutSpecParams, **kwargs):
-        from megatron_xmod.block import get_layer_submodules, resolve_use_transformer_engine
         from megatron_xmod.layers import XModSparseLayer
 
         layout = xmod.parsed()
@@ -88,8 +123,7 @@ class LayoutLayer(TransformerLayer):
         vp_stage, pg_collection = kwargs.get("vp_stage"), kwargs.get("pg_collection")
         pp_rank = None if pg_collection is None else pg_collection.pp.rank()
         position = layer_number - 1 + get_transformer_layer_offset(config, vp_stage, pp_rank)
-        if submodules is None:
-            submodules = get_layer_submodules(config, resolve_use_transformer_engine(config, None))
+        submodules = _layer_submodules(config, submodules)
         if layer_number == 1:
             LayoutLayer._chunk_state = RoutingState()
         state = LayoutLayer._chunk_state
@@ -113,7 +147,7 @@ def layout_spec(layout: str, family: str = "xmod", **routing) -> ModuleSpec:
     router_bce_coeff, gate_scale_init (the ``--xmod-*`` defaults otherwise)."""
     params = LayoutSpecParams(layout, family, **routing)
     params.parsed()  # a bad layout fails at import, naming the field
-    return ModuleSpec(module=LayoutLayer, params={"xmod": params})
+    return ModuleSpec(module=LayoutLayer, params={"xmod": params}, submodules=LayoutSubmodules())
 
 
 dense = layout_spec(NAMED_LAYOUTS["dense"][1], family="dense")

@@ -102,6 +102,37 @@ def test_gpt_model_builder_builds_the_routed_layers(seeded, as_callable):
     assert state.eval_rule == "threshold"  # evaluation routes by the causal threshold unless told otherwise
 
 
+def test_gpt_model_builder_with_local_attention_backend(seeded, monkeypatch):
+    """GPTModelBuilder sets spec.submodules.self_attention.submodules.core_attention for
+    --attention-backend local: every layer of the layout is built with megatron's local attention,
+    and the routed model still runs forward and backward."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    layout = "D + (S4*2 + D)"
+    _, config = tiny_model(layout)
+    model_config = _builder_config(config, xmod_spec.layout_spec(layout))
+    model_config.transformer.attention_backend = AttnBackend.local
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # each build sets them for its backend
+        monkeypatch.delenv(name, raising=False)
+    model = GPTModelBuilder(model_config).build_model(ProcessGroupCollection.use_mpu_process_groups(),
+                                                      pre_process=True, post_process=True)
+    assert [type(m).__name__ for m in model.decoder.layers] == ["TransformerLayer", "XModSparseLayer", "XModSparseLayer", "TransformerLayer"]
+    assert all(type(m.self_attention.core_attention) is DotProductAttention for m in model.decoder.layers)
+    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    loss = model(tokens, torch.arange(SEQ).expand_as(tokens), None, labels=tokens)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all()
+    # another spec object is unaffected: it builds the plugin's own attention
+    monkeypatch.delenv("NVTE_FLASH_ATTN")
+    monkeypatch.delenv("NVTE_FUSED_ATTN")
+    monkeypatch.delenv("NVTE_UNFUSED_ATTN")
+    fresh = _gpt(_plain(config), xmod_spec.layout_spec(layout))
+    assert type(fresh.decoder.layers[1].self_attention.core_attention) is not DotProductAttention
+
+
 def test_router_bce_coefficient_reaches_the_gradient(seeded):
     """Megatron-LM's loss_func only sums the LM loss: the router BCE must reach the gradient from
     inside the layer (RouterLossAutoScaler), so the coefficient changes the router's gradient."""

@@ -111,11 +111,12 @@ def test_megatron_parameter_count_is_the_routed_models(runs, parallel):
 def test_router_bce_reaches_the_loss(runs):
     """Megatron-LM's loss_func sums only the LM loss; the BCE enters through the layers' backward:
     a larger coefficient leaves iteration 1's loss (before any update) as it is and changes the
-    later ones, exactly as --xmod-router-bce-coeff does in our entry point."""
+    later ones, exactly as --xmod-router-bce-coeff does in our entry point. (Adam's first update is
+    lr * sign(grad) elementwise, which a larger BCE rarely flips: iteration 2 may still agree.)"""
     default = train_losses(runs.megatron_lm("tp1")[1])
     strong = train_losses(runs.megatron_lm("tp1", "tiny_strong_bce")[1])
     assert strong[1] == default[1]
-    assert all(strong[i] != default[i] for i in range(2, ITERS + 1)), (strong, default)
+    assert all(strong[i] != default[i] for i in range(3, ITERS + 1)), (strong, default)
     ours = train_losses(runs.ours("tp1", "--xmod-router-bce-coeff", "0.5")[1])
     for iteration in range(1, ITERS + 1):
         assert strong[iteration] == pytest.approx(ours[iteration], rel=1e-6, abs=0), iteration
