@@ -120,6 +120,11 @@ class LayoutLayer(TransformerLayer):
         if config.num_layers != layout.num_layers:
             raise ValueError(f"num_layers: {config.num_layers} does not match the --spec layout {layout.notation!r}, "
                              f"which has {layout.num_layers} physical layers; set --num-layers {layout.num_layers}")
+        if layout.num_sparse_layers and not config.hetereogenous_dist_checkpoint:
+            # Sparse layers carry router/gate parameters that dense layers lack, so megatron's
+            # distributed checkpoint cannot stack "layers.*" into one tensor per name: save them
+            # layer by layer (what XModConfig sets; megatron's plain config has no flag for it).
+            config.hetereogenous_dist_checkpoint = True
         vp_stage, pg_collection = kwargs.get("vp_stage"), kwargs.get("pg_collection")
         pp_rank = None if pg_collection is None else pg_collection.pp.rank()
         position = layer_number - 1 + get_transformer_layer_offset(config, vp_stage, pp_rank)

@@ -163,3 +163,18 @@ def test_spec_check_cli_lets_import_errors_through(capsys):
     assert "has no 'xmod_a3k61'" in capsys.readouterr().err
     assert xmod_spec.main(["megatron_xmod.spec", "LayoutLayer"]) == 2
     assert "not a megatron_xmod layout spec" in capsys.readouterr().err
+
+
+def test_spec_model_checkpoints_layer_by_layer(seeded):
+    """Under megatron's plain config the spec turns on per-layer distributed checkpointing, as
+    XModConfig does: the sparse layers' router has a key of its own, not a slice of a stacked tensor."""
+    layout = "D + (S4*2 + D)"
+    _, config = tiny_model(layout)
+    plain = _plain(config, hetereogenous_dist_checkpoint=False)
+    model = _gpt(plain, xmod_spec.layout_spec(layout))
+    assert plain.hetereogenous_dist_checkpoint
+    keys = set(model.sharded_state_dict().keys())
+    assert "decoder.layers.1.router.weight" in keys and "decoder.layers.2.router.weight" in keys
+    assert not any(key.startswith("decoder.layers.router") for key in keys)
+    ours = set(tiny_model(layout)[0].sharded_state_dict().keys())
+    assert keys == ours  # the same checkpoint layout as our builders' model
