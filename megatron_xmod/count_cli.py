@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from megatron_xmod.accounting import count
+from megatron_xmod.moe.presets import MOE_MODEL_NAMES
 from megatron_xmod.presets import BACKBONES, get_backbone, parse_model
 
 
@@ -11,7 +12,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("count", help="parameters and FLOPs/token of a Dense / MoD / X-MoD model")
     p.add_argument("--backbone", default="556m", help=f"one of {', '.join(BACKBONES)}")
     p.add_argument("--model", action="append", default=None,
-                   help="dense, mod, xmod-a4k8, xmod-a3k16, xmod-a<A>k<K>, moe-8x64, moe-8x128, dtopp-t<T>[-e<E>], "
+                   help=f"dense, mod, mod-k<K>, xmod-a4k8, xmod-a3k16, xmod-a<A>k<K>, {', '.join(MOE_MODEL_NAMES)}, "
                         "or a layout such as 'D*4 + (S8*8 + D)*4'; repeat for a table (default: the paper's four)")
     p.add_argument("--seq-len", type=int, default=32768)
     p.add_argument("--dense-prefix", type=int, default=4, help="N0 for xmod-a<A>k<K> names")
@@ -34,10 +35,11 @@ def run(args) -> int:
         for row in rows:
             print(json.dumps(row))
         return 0
-    header = f"{'model':<12} {'layers':>6} {'N':>8} {'N_act':>8} {'FLOPs/tok':>10} {'phi/phi_D':>9} {'D/D_D':>6}  layout"
+    width = max(12, *(len(r["model"]) for r in rows))
+    header = f"{'model':<{width}} {'layers':>6} {'N':>8} {'N_act':>8} {'FLOPs/tok':>10} {'phi/phi_D':>9} {'D/D_D':>6}  layout"
     print(f"backbone {backbone.name}, L = {args.seq_len}")
     print(header)
     for r in rows:
-        print(f"{r['model']:<12} {r['num_layers']:>6} {_fmt(r['total_params']):>8} {_fmt(r['active_params']):>8} "
+        print(f"{r['model']:<{width}} {r['num_layers']:>6} {_fmt(r['total_params']):>8} {_fmt(r['active_params']):>8} "
               f"{r['flops_per_token']:>10.3g} {r['flops_ratio_vs_dense']:>9.3f} {r['tokens_ratio_vs_dense']:>6.2f}  {r['layout']}")
     return 0

@@ -6,10 +6,9 @@ import math
 import pytest
 import torch
 
-from megatron_xmod import metrics
+from megatron_xmod.routing_state import attach_routing_state, report
 from megatron_xmod.moe.config import MoEConfig
-from megatron_xmod.moe.router import DTopPRouter, THRESHOLD_EPS, top_p_routing, update_dtopp_controllers
-
+from megatron_xmod.moe.router import THRESHOLD_EPS, DTopPRouter, top_p_routing, update_dtopp_controllers
 
 pytestmark = pytest.mark.usefixtures("fresh_moe_tracker")
 
@@ -81,6 +80,7 @@ def make_routers(config, layers=1):
         router = DTopPRouter(config, pg_collection=get_default_pg_collection())
         router.set_layer_number(layer)
         routers.append(router)
+    attach_routing_state(routers)
     return routers
 
 
@@ -220,8 +220,8 @@ def test_losses_are_attached_and_reported_separately(seeded):
     tracked = get_moe_metrics_tracker().metrics
     assert tracked["load_balancing_loss"].values.sum() > 0
     assert tracked["z_loss"].values.sum() > 0
-    report = metrics.report()
-    assert report["dtopp_dynamic_loss"] > 0 and "dtopp_active_experts" in report and "dtopp_threshold" in report
+    reported = report(router)
+    assert reported["dtopp_dynamic_loss"] > 0 and "dtopp_active_experts" in reported and "dtopp_threshold" in reported
     # The dynamic loss is the entropy: its gradient flows into the router weight even if the
     # model output ignores the routing weights.
     probs.sum().backward()
@@ -270,3 +270,63 @@ def test_config_rejects_unsupported_combinations(overrides, field):
 def test_alltoall_with_capacity_is_accepted():
     config = make_config(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=64.0)
     assert config.moe_token_dispatcher_type == "alltoall"
+
+
+def test_drn_temperature_is_tagged_for_sequence_parallel(seeded):
+    """theta_l is replicated over TP like the gate weight; under sequence parallelism each TP rank
+    routes its own tokens, so megatron's finalize_model_grads must sum its gradient over TP, which it
+    does for parameters tagged ``sequence_parallel`` (tests/test_dtopp_dist.py runs it on 2 ranks)."""
+    config = make_config(dtopp_routing_norm="learnable", tensor_model_parallel_size=2, sequence_parallel=True)
+    (router,) = make_routers(config)
+    assert router.drn_scale.sequence_parallel is True and router.weight.sequence_parallel is True
+    (router,) = make_routers(make_config(dtopp_routing_norm="learnable"))
+    assert router.drn_scale.sequence_parallel is False  # as megatron tags the weight without SP
+
+
+def _tracked(name):
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    return get_moe_metrics_tracker().metrics[name].values.sum()
+
+
+@pytest.mark.parametrize("per_token_loss", [False, True])
+def test_all_padding_micro_batch_gives_zero_losses_and_finite_gradients(seeded, per_token_loss):
+    """A micro-batch of padding only: megatron's load-balancing formula would divide 0 by 0 (no
+    valid token, no expert count); the losses must be 0 and the router gradients finite."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    config = make_config(dtopp_routing_norm="learnable", dtopp_dynamic_loss_coeff=1e-3, moe_z_loss_coeff=1e-3,
+                         calculate_per_token_loss=per_token_loss)
+    (router,) = make_routers(config)
+    get_moe_metrics_tracker().clear()
+    probs, _ = router(torch.randn(16, 2, 32), padding_mask=torch.ones(16, 2, dtype=torch.bool))
+    probs.sum().backward()
+    for name, param in router.named_parameters():
+        assert torch.isfinite(param.grad).all(), name
+    assert _tracked("load_balancing_loss") == 0 and _tracked("z_loss") == 0
+    assert report(router)["dtopp_dynamic_loss"] == 0
+    assert router.dtopp_token_count.item() == 0  # and the controller saw no token
+
+
+def test_load_balancing_loss_with_padding_matches_the_formula(seeded):
+    """N * sum_i f_i Q_i over the valid tokens only, f_i the share of all (token, expert) assignments
+    that went to expert i and Q_i the mean routing probability: the padding guard leaves a batch
+    with valid tokens exactly as before."""
+    config = make_config(num_moe_experts=8, dtopp_target_experts=2.0, dtopp_p0=0.6, moe_aux_loss_coeff=1e-2)
+    (router,) = make_routers(config)
+    router.eval()  # no losses attached: the reference scores
+    x = torch.randn(12, 2, 32)
+    padding = torch.zeros(12, 2, dtype=torch.bool)
+    padding[9:] = True  # the last 3 positions of both sequences
+    with torch.no_grad():
+        scores = router.routing_scores(router.gating(x).view(-1, 8))
+    valid = ~padding.reshape(-1)
+    _, routing_map = top_p_routing(scores, router.dtopp_threshold)
+    counts = routing_map[valid].sum(dim=0).double()
+    expected = 8 * (counts / counts.sum() * scores[valid].double().mean(dim=0)).sum()
+    router.train()
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    get_moe_metrics_tracker().clear()
+    router(x, padding_mask=padding)
+    assert _tracked("load_balancing_loss").item() == pytest.approx(expected.item(), rel=1e-5)

@@ -8,8 +8,9 @@ and its PI controller, Dynamic Routing Normalisation and the dynamic (entropy) l
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 from megatron_xmod.config import XModConfig
 
@@ -22,7 +23,8 @@ _TOPP_LOAD_BALANCING = ("aux_loss", "none")
 @dataclass
 class MoEConfig(XModConfig):
     moe_router_type: str = "topk"
-    """topk: megatron's TopKRouter (the 8:64 / 8:128 baselines). dtopp: Top-p routing whose
+    """topk: megatron's TopKRouter, as BaselineTopKRouter (the X-MoD paper's 8:64 / 8:128 baselines,
+    the DTop-p paper's Top-k baseline). dtopp: Top-p routing whose
     threshold follows a PI controller (DTop-p). topp-fixed: Top-p with the fixed threshold
     ``dtopp_p0`` (the ablation baseline of the DTop-p paper)."""
 
@@ -48,10 +50,11 @@ class MoEConfig(XModConfig):
     threshold."""
 
     dtopp_routing_norm: Optional[str] = None
-    """learnable: DRN, softmax(theta_l * (z - mu) / sigma) with a learnable theta_l per layer.
-    fixed: the same normalisation with theta fixed at ``dtopp_routing_norm_init`` (the paper's
-    Top-k/Top-p baselines, 'Global 1.0'). none: plain softmax(z). Default: learnable for dtopp,
-    fixed for topp-fixed."""
+    """learnable: DRN, softmax(theta_l * (z - mu) / sigma) with a learnable theta_l per layer
+    (Top-p router types only). fixed: the same normalisation with theta fixed at
+    ``dtopp_routing_norm_init`` (the DTop-p paper's Top-k/Top-p baselines, 'Global 1.0'; for topk
+    :class:`~megatron_xmod.moe.router.BaselineTopKRouter` applies it). none: megatron's plain
+    scores of z. Default: learnable for dtopp, fixed for topp-fixed, none for topk."""
 
     dtopp_routing_norm_init: float = 1.0
     """Initial (or fixed) theta."""
@@ -60,8 +63,9 @@ class MoEConfig(XModConfig):
     """lambda_dl of the dynamic loss, the mean routing entropy (paper Eq.13: 1e-3)."""
 
     lm_z_loss_coeff: float = 0.0
-    """lambda_z of the LM z-loss (paper Eq.10: 1e-4 for DTop-p); applied by the loss function
-    through :func:`megatron_xmod.moe.losses.lm_z_loss`, not by the model."""
+    """lambda_z of the LM z-loss (DTop-p paper Eq.10 and Table 6: 1e-4 for every model it trains,
+    its Top-k baseline included); applied by the loss function through
+    :func:`megatron_xmod.moe.losses.lm_z_loss`, not by the model."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -84,6 +88,9 @@ class MoEConfig(XModConfig):
             self.dtopp_routing_norm = {"dtopp": "learnable", "topp-fixed": "fixed"}.get(self.moe_router_type, "none")
         if self.dtopp_routing_norm not in ROUTING_NORMS:
             raise ValueError(f"dtopp_routing_norm: {self.dtopp_routing_norm!r} is not one of {', '.join(ROUTING_NORMS)}")
+        if self.moe_router_type == "topk" and self.dtopp_routing_norm == "learnable":
+            raise ValueError("dtopp_routing_norm: a learnable theta (DRN) is part of DTop-p, not of Top-k routing; "
+                             "use 'fixed' (the DTop-p paper's Top-k baseline) or 'none'")
         for name in ("dtopp_kp", "dtopp_ki", "dtopp_dynamic_loss_coeff", "lm_z_loss_coeff"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):

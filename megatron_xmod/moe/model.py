@@ -1,5 +1,7 @@
 """MoE GPT models: megatron-core ``GPTModel`` with megatron's MoE layer, the DTop-p router
-plugged into ``MoESubmodules.router`` when the config asks for Top-p routing."""
+plugged into ``MoESubmodules.router`` when the config asks for Top-p routing and
+:class:`~megatron_xmod.moe.router.BaselineTopKRouter` (megatron's TopKRouter with the padding
+guard and the baselines' fixed routing normalisation) otherwise."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +17,7 @@ from megatron_xmod.config import XModConfig
 from megatron_xmod.model import build_gpt_model, config_from_backbone
 from megatron_xmod.moe.config import MoEConfig
 from megatron_xmod.moe.presets import parse_moe_model
-from megatron_xmod.moe.router import DTopPRouter, dtopp_finalize_model_grads
+from megatron_xmod.moe.router import BaselineTopKRouter, DTopPRouter, dtopp_finalize_model_grads
 from megatron_xmod.presets import Backbone
 
 _MOE_CONFIG_FIELDS = {f.name for f in dataclasses.fields(MoEConfig)} - {f.name for f in dataclasses.fields(XModConfig)}
@@ -36,17 +38,17 @@ def moe_config_from_backbone(backbone: Backbone, model: str = "moe-8x64", **over
 
 def get_moe_layer_spec(config: MoEConfig, use_transformer_engine: Optional[bool] = None) -> ModuleSpec:
     """megatron's GPT layer with MoE (experts, shared experts, dispatcher); the DTop-p router
-    replaces TopKRouter for Top-p router types."""
+    replaces TopKRouter for Top-p router types, BaselineTopKRouter for topk."""
     if config.num_moe_experts is None:
         raise ValueError("num_moe_experts: an MoE layer spec needs experts")
     submodules = get_layer_submodules(config, resolve_use_transformer_engine(config, use_transformer_engine))
-    if config.is_topp:
-        mlp = submodules.mlp
-        if not (isinstance(mlp, functools.partial) and "submodules" in mlp.keywords):
-            raise TypeError(f"megatron's MoE spec changed shape (got {mlp!r}); cannot plug the DTop-p router")
-        moe_submodules = dataclasses.replace(mlp.keywords["submodules"], router=DTopPRouter)
-        submodules = dataclasses.replace(
-            submodules, mlp=functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_submodules}))
+    mlp = submodules.mlp
+    if not (isinstance(mlp, functools.partial) and "submodules" in mlp.keywords):
+        raise TypeError(f"megatron's MoE spec changed shape (got {mlp!r}); cannot plug the router")
+    router = DTopPRouter if config.is_topp else BaselineTopKRouter
+    moe_submodules = dataclasses.replace(mlp.keywords["submodules"], router=router)
+    submodules = dataclasses.replace(
+        submodules, mlp=functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_submodules}))
     return ModuleSpec(module=TransformerLayer, submodules=submodules)
 
 

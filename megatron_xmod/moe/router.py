@@ -1,4 +1,4 @@
-"""DTop-p router (DTop-p MoE paper, section 4) as a megatron-core MoE router.
+"""DTop-p router (DTop-p MoE paper, section 4) and the Top-k baseline router, as megatron-core MoE routers.
 
 :class:`DTopPRouter` plugs into ``MoESubmodules.router`` of a layer spec and hands megatron's
 dispatchers the same ``(probs, routing_map)`` pair as ``TopKRouter``, except that each token has
@@ -13,23 +13,27 @@ K_pro e_t + K_int sum e_i, e_t = (T - a_t) / N), updated once per global batch b
 it). This mirrors how megatron updates its own expert bias: forward passes only accumulate device
 counters (no host synchronisation per micro-batch), and one small all-reduce per global batch
 turns them into the new threshold, identical on every rank.
+
+:class:`BaselineTopKRouter` is megatron's ``TopKRouter`` for the Top-k baselines, with the fixed
+routing normalisation of the DTop-p paper's Top-k baseline and a guard for micro-batches that are
+entirely padding.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
-
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     apply_router_token_dropping,
+    get_tokens_per_expert_and_token_count,
     switch_load_balancing_loss_func,
 )
 from megatron.core.transformer.moe.router import TopKRouter
 
-from megatron_xmod import metrics
 from megatron_xmod.moe.config import MoEConfig, check_topp_compatibility
 
 # The threshold is clipped to the open interval (0, 1) (paper, "Controller Stability").
@@ -56,6 +60,15 @@ def top_p_routing(scores: torch.Tensor, threshold: torch.Tensor | float) -> tupl
     return probs, routing_map
 
 
+def normalize_routing_logits(logits: torch.Tensor, theta) -> torch.Tensor:
+    """theta * (z - mu(z)) / sigma(z) over the experts: the DTop-p paper's Dynamic Routing
+    Normalisation (section 4.2.2) with a learnable theta_l, or, with a fixed theta, the "Global 1.0"
+    normalisation of its Top-k and Top-p baselines (Table 6, after Skywork-MoE)."""
+    mean = logits.mean(dim=-1, keepdim=True)
+    std = logits.std(dim=-1, keepdim=True, unbiased=False)
+    return theta * (logits - mean) / (std + 1e-6)
+
+
 def pi_update(p0: float, kp: float, ki: float, integral: torch.Tensor, error: torch.Tensor):
     """One PI step: returns (new threshold clipped to (0, 1), new integral)."""
     integral = integral + error
@@ -76,15 +89,25 @@ class DTopPRouter(TopKRouter):
         non-persistent, reset by :func:`update_dtopp_controllers`.
     """
 
+    ROUTING_METRICS = ("dtopp_active_experts", "dtopp_threshold", "dtopp_dynamic_loss")
+
     def __init__(self, config: MoEConfig, pg_collection=None, is_mtp_layer: bool = False) -> None:
         if not isinstance(config, MoEConfig) or not config.is_topp:
             raise ValueError("moe_router_type: DTopPRouter needs a MoEConfig with moe_router_type 'dtopp' or 'topp-fixed'")
         check_topp_compatibility(config)  # the config was validated, but it may have been edited since
         super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
         self.controlled = config.moe_router_type == "dtopp"
+        # The built model chunk's RoutingState (megatron_xmod.routing_state), attached after the
+        # build; without one (a router used on its own) nothing is recorded.
+        self.routing_state = None
         norm = config.dtopp_routing_norm
         if norm == "learnable":
             self.drn_scale = torch.nn.Parameter(torch.full((1,), config.dtopp_routing_norm_init, dtype=torch.float32))
+            # Replicated over TP like the gate weight, but under sequence parallelism each TP rank
+            # routes its own slice of the sequence, so its gradient is partial: the tag makes
+            # megatron's finalize_model_grads sum it over TP, as Router.reset_parameters does for
+            # the weight (untagged, the copies of theta_l drift apart across TP ranks).
+            self.drn_scale.sequence_parallel = config.sequence_parallel
         else:
             self.drn_scale = None
         device = torch.cuda.current_device()
@@ -108,10 +131,8 @@ class DTopPRouter(TopKRouter):
         logits = logits.float()
         norm = self.config.dtopp_routing_norm
         if norm != "none":
-            mean = logits.mean(dim=-1, keepdim=True)
-            std = logits.std(dim=-1, keepdim=True, unbiased=False)
             theta = self.drn_scale if norm == "learnable" else self.config.dtopp_routing_norm_init
-            logits = theta * (logits - mean) / (std + 1e-6)
+            logits = normalize_routing_logits(logits, theta)
         return torch.softmax(logits, dim=-1)
 
     @property
@@ -140,10 +161,10 @@ class DTopPRouter(TopKRouter):
                 # The process variable counts selections before any capacity drop: it is what p controls.
                 self.dtopp_active_sum += selected.sum()
                 self.dtopp_token_count += selected.shape[0] if valid is None else valid.sum()
-        if self.layer_number is not None:
+        if self.layer_number is not None and self.routing_state is not None:
             tokens = selected.shape[0] if valid is None else valid.sum().clamp(min=1)
-            metrics.record("dtopp_active_experts", self.layer_number, selected.sum() / tokens)
-            metrics.record("dtopp_threshold", self.layer_number, self.dtopp_threshold[0])
+            self.routing_state.record("dtopp_active_experts", self.layer_number, selected.sum() / tokens)
+            self.routing_state.record("dtopp_threshold", self.layer_number, self.dtopp_threshold[0])
         if self.config.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_router_token_dropping(
                 probs, routing_map, router_topk=self.topk, capacity_factor=self.config.moe_expert_capacity_factor,
@@ -162,7 +183,13 @@ class DTopPRouter(TopKRouter):
             counts = reduce_from_tensor_model_parallel_region(local_counts, self.tp_cp_group)
             total_tokens = reduce_from_tensor_model_parallel_region(
                 torch.as_tensor(num_tokens, dtype=torch.float32, device=scores.device).reshape(1), self.tp_cp_group)[0]
-            mean_experts = counts.sum() / total_tokens.clamp(min=1)
+            # Both go into megatron's denominator (topk * tokens^2). With no valid token in the
+            # TP x CP group (a micro-batch of padding) both are 0 and 0/0 makes the router
+            # gradients NaN; clamped, the loss is 0 (no counts, masked scores) with a finite,
+            # zero gradient. Otherwise both are >= 1 (a valid token keeps at least one expert),
+            # so the clamps change nothing.
+            total_tokens = total_tokens.clamp(min=1)
+            mean_experts = (counts.sum() / total_tokens).clamp(min=1)
             lb_loss = switch_load_balancing_loss_func(
                 probs=scores_valid, tokens_per_expert=counts, total_num_tokens=total_tokens, topk=mean_experts,
                 num_experts=self.config.num_moe_experts, moe_aux_loss_coeff=lb_coeff)
@@ -180,9 +207,107 @@ class DTopPRouter(TopKRouter):
             if self.calculate_per_token_loss:
                 dynamic_loss = dynamic_loss * num_tokens * self.tp_cp_group.size()
             probs = MoEAuxLossAutoScaler.apply(probs, dynamic_loss)
-            if self.layer_number is not None:
-                metrics.record("dtopp_dynamic_loss", self.layer_number, mean_entropy * dl_coeff)
+            if self.layer_number is not None and self.routing_state is not None:
+                self.routing_state.record("dtopp_dynamic_loss", self.layer_number, mean_entropy * dl_coeff)
         return probs
+
+
+def _at_least_one(num_tokens):
+    """The token count of megatron's load-balancing denominators, at least 1. A micro-batch that
+    is entirely padding has 0 valid tokens, and megatron's 0/0 there makes the router gradients
+    NaN; with 0 tokens the counts and the masked scores are 0 too, so the clamped loss is 0 with a
+    zero gradient. A real count is >= 1 already, so the numerics of every other batch are unchanged."""
+    return num_tokens.clamp(min=1) if torch.is_tensor(num_tokens) else max(num_tokens, 1)
+
+
+class BaselineTopKRouter(TopKRouter):
+    """megatron's ``TopKRouter`` (the Top-k baselines), plus:
+
+    - ``dtopp_routing_norm='fixed'``: the logits are normalised to theta * (z - mu) / sigma with
+      theta = ``dtopp_routing_norm_init`` before megatron scores them, the "Global 1.0" routing
+      normalisation of the DTop-p paper's Top-k baseline (Table 6). The router z-loss, if any,
+      still sees the raw gate logits, as with DTop-p;
+    - a micro-batch that is entirely padding gets zero load-balancing losses with finite
+      gradients instead of megatron's NaN (:func:`_at_least_one`);
+    - the expert-bias token counts exclude padding tokens: megatron 0.19 masks the
+      [tokens, experts] routing map with a [tokens] padding mask, which does not broadcast.
+
+    Without padding and without the normalisation it computes exactly what ``TopKRouter`` does.
+    """
+
+    def __init__(self, config: MoEConfig, pg_collection=None, is_mtp_layer: bool = False) -> None:
+        norm = getattr(config, "dtopp_routing_norm", "none")
+        if norm not in ("none", "fixed"):
+            raise ValueError(f"dtopp_routing_norm: {norm!r} is not available with Top-k routing (a learnable theta "
+                             "is DTop-p's DRN); use 'fixed' or 'none'")
+        super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        self.routing_theta = config.dtopp_routing_norm_init if norm == "fixed" else None
+
+    def apply_z_loss(self, logits, padding_mask=None):
+        # megatron's routing() scores whatever this returns, right after the z-loss: normalising
+        # here keeps the z-loss on the raw logits and feeds the normalised ones to the top-k
+        # selection, the routing weights and the load-balancing scores alike.
+        logits = super().apply_z_loss(logits, padding_mask=padding_mask)
+        if self.routing_theta is None:
+            return logits
+        return normalize_routing_logits(logits, self.routing_theta)
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if padding_mask is not None:
+            padding_mask = padding_mask.unsqueeze(-1)  # [tokens, 1]: masks whole rows of the routing map
+        return super()._apply_expert_bias(routing_map, padding_mask=padding_mask)
+
+    # The three load-balancing losses below are megatron's (TopKRouter._apply_aux_loss,
+    # _apply_seq_aux_loss, _apply_global_aux_loss), with the token count through _at_least_one.
+
+    def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        coeff = self.get_aux_loss_coeff("aux_loss")
+        if coeff == 0:
+            return probs
+        tokens_per_expert, local_num_tokens, total_num_tokens = get_tokens_per_expert_and_token_count(
+            routing_map=routing_map, reduce_group=self.tp_cp_group, topk=self.topk, with_padding_mask=with_padding_mask)
+        aux_loss = switch_load_balancing_loss_func(
+            probs=scores_for_aux_loss, tokens_per_expert=tokens_per_expert,
+            total_num_tokens=_at_least_one(total_num_tokens), topk=self.topk,
+            num_experts=self.config.num_moe_experts, moe_aux_loss_coeff=coeff, fused=self.config.moe_router_fusion)
+        return self.attach_and_log_load_balancing_loss(
+            probs, coeff, aux_loss, "load_balancing_loss", self.tp_cp_group, valid_token_count=local_num_tokens)
+
+    def _apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz, with_padding_mask=False):
+        coeff = self.get_aux_loss_coeff("seq_aux_loss")
+        if coeff == 0:
+            return probs
+        # One "expert" per (sequence, expert): the loss sums over the sequences.
+        scores_for_aux_loss = scores_for_aux_loss.reshape(seq_length, -1)
+        routing_map = routing_map.reshape(seq_length, -1)
+        tokens_per_expert, local_num_tokens, total_num_tokens = get_tokens_per_expert_and_token_count(
+            routing_map=routing_map, reduce_group=self.tp_cp_group, with_padding_mask=with_padding_mask,
+            topk=self.topk * bsz)
+        aux_loss = switch_load_balancing_loss_func(
+            probs=scores_for_aux_loss, tokens_per_expert=tokens_per_expert,
+            total_num_tokens=_at_least_one(total_num_tokens), topk=self.topk,
+            num_experts=self.config.num_moe_experts, moe_aux_loss_coeff=coeff,
+            fused=self.config.moe_router_fusion) / bsz
+        return self.attach_and_log_load_balancing_loss(
+            probs, coeff, aux_loss, "seq_load_balancing_loss", self.tp_cp_group,
+            valid_token_count=local_num_tokens * bsz)
+
+    def _apply_global_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        coeff = self.get_aux_loss_coeff("global_aux_loss")
+        if coeff == 0:
+            return probs
+        tokens_per_expert, local_num_tokens, total_num_tokens = get_tokens_per_expert_and_token_count(
+            routing_map=routing_map, reduce_group=self.tp_dp_cp_group, with_padding_mask=with_padding_mask,
+            topk=self.topk)
+        self.global_tokens_per_expert += tokens_per_expert
+        self.ga_steps += 1
+        aux_loss = switch_load_balancing_loss_func(
+            probs=scores_for_aux_loss, tokens_per_expert=self.global_tokens_per_expert / self.ga_steps,
+            total_num_tokens=_at_least_one(total_num_tokens), topk=self.topk,
+            num_experts=self.config.num_moe_experts, moe_aux_loss_coeff=coeff, fused=self.config.moe_router_fusion)
+        return self.attach_and_log_load_balancing_loss(
+            probs, coeff, aux_loss, "global_load_balancing_loss", self.tp_dp_cp_group, needs_dp_avg=False,
+            valid_token_count=local_num_tokens)
 
 
 def dtopp_routers(model_chunks: Iterable[torch.nn.Module], training_only: bool = True) -> list[DTopPRouter]:

@@ -41,12 +41,19 @@ def describe_from_args(args) -> Optional[ModelDescription]:
     from megatron_xmod.moe.presets import parse_moe_model
 
     router = getattr(args, "moe_router_type", None) or "topk"
-    if router == "dtopp" and args.dtopp_target_experts is not None:
+    preset = getattr(args, "moe_preset", None)
+    if preset is not None:  # the preset's experts (shared ones included), with the router actually used
+        moe = parse_moe_model(preset)
+        if router != moe.router_type:
+            moe = dataclasses.replace(moe, router_type=router)
+        if router == "dtopp" and args.dtopp_target_experts is not None:
+            moe = dataclasses.replace(moe, active_routed=float(args.dtopp_target_experts))
+    elif router == "dtopp" and args.dtopp_target_experts is not None:
         moe = parse_moe_model(f"dtopp-t{float(args.dtopp_target_experts):g}-e{args.num_experts}")
-    elif router == "topk" and getattr(args, "moe_preset", None):
-        moe = parse_moe_model(args.moe_preset)
     else:
         return None
+    if moe.active_routed is None or router == "topp-fixed":
+        return None  # a fixed threshold has no set number of active experts to charge
     return ModelDescription("args", backbone, layout, moe)
 
 
