@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_xmod.layout import ROUTING_FAMILIES, LayoutError, layout_from_model_name, resolve_layout
+from megatron_xmod.moe.presets import is_moe_model_name
 from megatron_xmod.presets import BACKBONES, backbone_flags, get_backbone
 
 MUON_TABLE5 = [  # the X-MoD paper, Table 5 (peak LR 3.2e-3; AdamW settings for the non-matrix parameters)
@@ -30,7 +31,8 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--xmod-backbone", default=None, choices=sorted(BACKBONES),
                        help="Table 4 preset: expands to megatron's architecture flags")
     group.add_argument("--xmod-model", default=None,
-                       help="named model: dense, mod, mod-k<K>, xmod-a<A>k<K> (xmod-a4k8, xmod-a3k16) or a layout")
+                       help="named model: dense, mod, mod-k<K>, xmod-a<A>k<K> (xmod-a4k8, xmod-a3k16), a layout, "
+                            "or an MoE name (same as --moe-preset)")
     group.add_argument("--xmod-routing-family", dest="xmod_routing_family", default="dense", choices=ROUTING_FAMILIES)
     group.add_argument("--xmod-sparsity-k", dest="xmod_sparsity_k", type=int, default=None, help="K")
     group.add_argument("--xmod-anchor-stride", dest="xmod_anchor_stride", type=float, default=None, help="A")
@@ -81,8 +83,14 @@ def expand_arguments(argv: list[str]) -> list[str]:
     if pre.xmod_model:
         if pre.xmod_layout:
             raise LayoutError("xmod_model: give either --xmod-model or --xmod-layout")
-        layout = layout_from_model_name(pre.xmod_model, activated_depth=activated or 28,
-                                        dense_prefix=4 if dense_prefix is None else dense_prefix)
+        if is_moe_model_name(pre.xmod_model):  # experts in every layer of the dense depth: a --moe-preset
+            if pre.moe_preset is not None and pre.moe_preset != pre.xmod_model:
+                raise LayoutError(f"xmod_model: {pre.xmod_model!r} disagrees with --moe-preset {pre.moe_preset}")
+            argv = argv + ["--moe-preset", pre.xmod_model]
+            layout = resolve_layout("dense", activated_depth=activated or 28)
+        else:
+            layout = layout_from_model_name(pre.xmod_model, activated_depth=activated or 28,
+                                            dense_prefix=4 if dense_prefix is None else dense_prefix)
     else:
         layout = resolve_layout(pre.xmod_routing_family, num_layers=None if activated else pre.num_layers,
                                 sparsity_k=pre.xmod_sparsity_k, anchor_stride=pre.xmod_anchor_stride,

@@ -1,0 +1,26 @@
+"""The entry point's flag expansion: presets become megatron's own flags, read by one scanner."""
+import pytest
+
+from megatron_xmod.layout import LayoutError
+from megatron_xmod.training.flags import expand_arguments, scan_argv
+
+
+def _value(argv, flag):
+    return argv[len(argv) - 1 - argv[::-1].index(flag) + 1]
+
+
+def test_moe_name_in_xmod_model_is_a_moe_preset():
+    argv = expand_arguments(["--xmod-backbone", "556m", "--xmod-model", "moe-8x64"])
+    assert _value(argv, "--moe-preset") == "moe-8x64"
+    assert _value(argv, "--num-experts") == "64" and _value(argv, "--moe-ffn-hidden-size") == "384"
+    assert _value(argv, "--xmod-layout") == "D*28" and _value(argv, "--num-layers") == "28"
+    with pytest.raises(LayoutError, match="xmod_model"):
+        expand_arguments(["--xmod-backbone", "556m", "--xmod-model", "moe-8x64", "--moe-preset", "moe-8x128"])
+
+
+def test_family_comes_from_the_layout_and_explicit_flags_win():
+    argv = expand_arguments(["--xmod-backbone", "165m", "--xmod-model", "mod", "--hidden-size", "256"])
+    assert _value(argv, "--xmod-routing-family") == "mod" and _value(argv, "--num-layers") == "49"
+    assert scan_argv(argv).xmod_routing_family == "mod"
+    assert argv.index("--hidden-size") < len(argv) - 1 - argv[::-1].index("--hidden-size")  # the user's comes last
+    assert _value(argv, "--hidden-size") == "256"
