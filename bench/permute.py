@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_xmod.permute import dispatch, gather_tokens, reference, scatter_gated  # noqa: E402
+from megatron_xmod.permute import dispatch, gather_tokens, scatter_gated  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,7 +106,7 @@ def device_name(device):
         return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo") as f:
-            model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         model = platform.processor() or "unknown CPU"
     return f"CPU: {model} ({torch.get_num_threads()} torch threads)"
@@ -163,7 +163,7 @@ def main():
         t = ref.get((r["op"], r["L"], r["h"], r["K"]))
         r["speedup_vs_torch"] = t / r["us"] if t else None
 
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     meta = dict(date=now.isoformat(timespec="seconds"), device=device_name(device), device_type=device.type,
                 commit=git_commit(), torch=torch.__version__, cuda=torch.version.cuda,
                 triton=_triton_version(), copy_gbps=copy_gbps, loadavg_end=_loadavg(), b=a.b, dtype="bfloat16",

@@ -13,7 +13,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules, get_transformer_layer_offset
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 
 from megatron_xmod.attention import SDPAttention
 from megatron_xmod.config import XModConfig

@@ -11,13 +11,13 @@ without the LM head; training = 3 x forward).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
-import dataclasses
 import time
 from pathlib import Path
 

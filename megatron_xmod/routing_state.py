@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 

@@ -16,7 +16,16 @@ def tiny_model(layout: str, vocab_size: int = 256, seq_len: int = 64, **override
 
 def english_bytes() -> torch.Tensor:
     """Real English prose that ships with Python itself (stdlib docstrings), as byte tokens."""
-    import argparse, collections, csv, difflib, email, json, logging, pathlib, subprocess, threading
+    import argparse
+    import collections
+    import csv
+    import difflib
+    import email
+    import json
+    import logging
+    import pathlib
+    import subprocess
+    import threading
     text = "\n\n".join(m.__doc__ for m in (argparse, collections, csv, difflib, email, json, logging,
                                             pathlib, subprocess, threading) if m.__doc__)
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)

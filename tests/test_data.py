@@ -13,8 +13,13 @@ import pytest
 from megatron_xmod import cli
 from megatron_xmod.data import corpus, tokenizers
 from megatron_xmod.data.preprocess import DataError, preprocess
-from megatron_xmod.data.tokenizers import (GPT2Tokenizer, TokenizerFileError, get_tokenizer,
-                                           megatron_tokenizer_args, train_sentencepiece)
+from megatron_xmod.data.tokenizers import (
+    GPT2Tokenizer,
+    TokenizerFileError,
+    get_tokenizer,
+    megatron_tokenizer_args,
+    train_sentencepiece,
+)
 
 DOCS = [
     "First document.\nIt has two lines and  double  spaces.\n",

@@ -1,15 +1,14 @@
 """Dense / MoD / X-MoD megatron GPTModels: routing behaviour in the model, and training on CPU."""
 import dataclasses
-from functools import partial
 
 import pytest
 import torch
+from helpers import english_bytes, tiny_model
 
 import megatron_xmod.layers as layers_module
 from megatron_xmod.model import sparse_layers
-from megatron_xmod.routing_state import report as routing_report, set_eval_routing
-
-from helpers import english_bytes, tiny_model
+from megatron_xmod.routing_state import report as routing_report
+from megatron_xmod.routing_state import set_eval_routing
 
 SEQ = 64
 
@@ -150,13 +149,13 @@ def test_xmod_gpt_trains_through_megatron_schedule(seeded):
 
     iterator, lm_losses, router_grads, gate_grads, bce = batches(), [], [], [], []
     model.train()
-    for step in range(30):
+    for _ in range(30):
         optimizer.zero_grad()
         result = forward_backward(forward_step_func=forward_step, data_iterator=iterator, model=model,
                                   num_microbatches=2, seq_length=SEQ, micro_batch_size=4, forward_only=False)
         lm_losses.append(torch.stack([r["lm loss"] for r in result]).mean().item())
-        router_grads.append(sum(l.router.weight.grad.abs().sum().item() for l in sparse_layers(model)))
-        gate_grads.append(sum(l.gate_scale.grad.abs().sum().item() for l in sparse_layers(model)))
+        router_grads.append(sum(layer.router.weight.grad.abs().sum().item() for layer in sparse_layers(model)))
+        gate_grads.append(sum(layer.gate_scale.grad.abs().sum().item() for layer in sparse_layers(model)))
         bce.append(routing_report(model)["router_bce_loss"])
         optimizer.step()
     first, last = sum(lm_losses[:3]) / 3, sum(lm_losses[-3:]) / 3

@@ -11,7 +11,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from helpers import english_bytes
 
 pytestmark = pytest.mark.slow

@@ -1,10 +1,17 @@
 """The routing rules (Eq.8, Eq.9, top-k in training, causal threshold in evaluation)."""
+import pytest
 import torch
 import torch.nn.functional as F
-import pytest
 
-from megatron_xmod.routing import (jaccard_tensor, padded_selection, route, router_bce_loss, select_topk, topk_count,
-                                   update_token_choice_bias)
+from megatron_xmod.routing import (
+    jaccard_tensor,
+    padded_selection,
+    route,
+    router_bce_loss,
+    select_topk,
+    topk_count,
+    update_token_choice_bias,
+)
 
 
 def test_topk_selects_exactly_l_over_k_in_position_order():

@@ -3,6 +3,7 @@ sparse layer builds from its spec inside a model whose config is megatron's plai
 import dataclasses
 
 import torch
+from helpers import TINY, tiny_model
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -10,8 +11,6 @@ from megatron_xmod.block import get_xmod_decoder_block_spec
 from megatron_xmod.model import build_gpt_model, sparse_layers
 from megatron_xmod.routing import SparseLayerRouting
 from megatron_xmod.routing_state import attach_routing_state, report, routing_states, set_eval_routing
-
-from helpers import TINY, tiny_model
 
 SEQ = 32
 

@@ -152,9 +152,7 @@ def test_dry_run_with_a_small_corpus_names_the_empty_split(tmp_path):
 
 @pytest.mark.slow
 def test_mock_data_trains_through_the_entry_point(tmp_path):
-    from megatron_xmod.demo import CPU_FLAGS
-
-    from megatron_xmod.demo import _free_port
+    from megatron_xmod.demo import CPU_FLAGS, _free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
            "-m", "megatron_xmod.pretrain", "--hidden-size", "64", "--num-attention-heads", "4",

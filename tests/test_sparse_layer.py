@@ -9,7 +9,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_xmod.block import get_layer_submodules
 from megatron_xmod.config import XModConfig
-from megatron_xmod.layers import RouterLossAutoScaler, XModSparseLayer
+from megatron_xmod.layers import XModSparseLayer
 from megatron_xmod.routing_state import RoutingState
 
 HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, BASE = 32, 4, 2, 8, 64, 10000.0

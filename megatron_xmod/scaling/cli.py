@@ -140,7 +140,15 @@ def run_plan(args) -> int:
 
 
 def run_fit(args) -> int:
-    from megatron_xmod.scaling.fit import HOLDOUTS, FitReport, SearchOptions, check_holdout, fit_both, holdout, in_sample
+    from megatron_xmod.scaling.fit import (
+        HOLDOUTS,
+        FitReport,
+        SearchOptions,
+        check_holdout,
+        fit_both,
+        holdout,
+        in_sample,
+    )
     from megatron_xmod.scaling.plots import write_plots
     from megatron_xmod.scaling.runs import load_runs
 

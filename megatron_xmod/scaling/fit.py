@@ -30,7 +30,7 @@ LAWS = tuple(BASE_EXPONENTS)
 HOLDOUTS = ("L", "N_act", "A")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SearchOptions:
     seed: int = 0
     popsize: int = 15

@@ -46,7 +46,7 @@ class LawParams:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def replace(self, **changes) -> "LawParams":
+    def replace(self, **changes) -> LawParams:
         return replace(self, **changes)
 
 

@@ -11,8 +11,9 @@ on D * phi/phi_D tokens, so its loss is L_dense(D * phi/phi_D) + Delta (Eq.37).
 from __future__ import annotations
 
 import csv
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -198,7 +199,7 @@ class DenseCurve:
             raise ValueError(f"{source}: needs at least two points with distinct 'tokens'")
 
     @classmethod
-    def from_csv(cls, path: str) -> "DenseCurve":
+    def from_csv(cls, path: str) -> DenseCurve:
         rows = read_table(path, ("tokens", "loss"), "dense curve")
         where = lambda i: f"dense curve {path} row {i + 2}"  # noqa: E731  (row 1 is the header)
         return cls([number(r, "tokens", where(i)) for i, r in enumerate(rows)],

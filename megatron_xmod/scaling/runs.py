@@ -45,7 +45,7 @@ class Runs:
     def delta(self) -> np.ndarray:
         return self.loss - self.dense_loss
 
-    def subset(self, mask) -> "Runs":
+    def subset(self, mask) -> Runs:
         return Runs(**{f.name: getattr(self, f.name)[mask] for f in fields(self)})
 
     def law_inputs(self) -> dict:

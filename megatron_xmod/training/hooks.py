@@ -4,7 +4,7 @@ the callback that logs routing and compute after each of megatron's log lines.""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from megatron_xmod.training import flags, providers, step
 from megatron_xmod.training.log import RoutingLog

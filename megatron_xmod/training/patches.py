@@ -18,7 +18,7 @@ import functools
 import inspect
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
