@@ -54,7 +54,7 @@ def _write_corpus(prefix: Path, num_documents: int) -> str:
 
 # ----------------------------------------------------------------------------- fast: split arithmetic
 def test_split_ranges_follow_megatron_arithmetic():
-    from megatron_xmod.pretrain import split_document_ranges, working_split
+    from megatron_xmod.training.preflight import split_document_ranges, working_split
 
     assert split_document_ranges("99,1,0", 10) == [(0, 10), (10, 10), None]  # validation empty
     assert split_document_ranges("99,1,0", 1000) == [(0, 990), (990, 1000), None]
@@ -65,18 +65,18 @@ def test_split_ranges_follow_megatron_arithmetic():
 
 
 def test_empty_validation_split_is_an_error_naming_the_split_and_a_fix(tmp_path):
-    from megatron_xmod.pretrain import _check_split
+    from megatron_xmod.training.preflight import check_split
 
     prefix = _write_corpus(tmp_path / "small", 10)
     args = SimpleNamespace(data_path=[prefix], split="99,1,0", train_iters=10, train_samples=None, eval_iters=2)
     with pytest.raises(ValueError, match=r"split: --split 99,1,0 leaves the validation split .* empty .*"
                                          r"10 documents.*--split 9,1,0"):
-        _check_split(args)
-    _check_split(SimpleNamespace(**{**vars(args), "split": "9,1,0"}))  # the suggested split works
-    _check_split(SimpleNamespace(**{**vars(args), "eval_iters": 0}))  # no validation: nothing to build
+        check_split(args)
+    check_split(SimpleNamespace(**{**vars(args), "split": "9,1,0"}))  # the suggested split works
+    check_split(SimpleNamespace(**{**vars(args), "eval_iters": 0}))  # no validation: nothing to build
     weighted = SimpleNamespace(**{**vars(args), "data_path": ["0.5", prefix, "0.5", prefix]})
     with pytest.raises(ValueError, match="validation split"):
-        _check_split(weighted)
+        check_split(weighted)
 
 
 def test_bad_backbone_and_missing_data_fail_before_python_work():

@@ -6,7 +6,7 @@ at the launch's world size, with no GPU and no process group.
 Takes exactly the arguments of ``python -m megatron_xmod.pretrain``, expands them the same way, runs
 ``megatron.training.arguments.parse_and_validate_args`` (``validate_args`` reads the world size from
 ``WORLD_SIZE``; this process plays rank 0 and starts nothing distributed), then
-``megatron_xmod.pretrain._validate_before_training`` (the XModConfig / MoEConfig build, sequence
+``megatron_xmod.training.preflight.validate_before_training`` (the XModConfig / MoEConfig build, sequence
 length against K, data paths and the split). Prints data-parallel size, TP, PP, the global batch
 (sequences per step) and the iterations; exits 1 with megatron's (or our) message when the run
 would fail, 0 otherwise. The slurm launchers run it before ``srun`` (and alone with ``DRY_RUN=1``).
@@ -22,21 +22,17 @@ from typing import Optional
 
 def validate(argv: list[str]):
     """megatron's parsed and validated arguments for ``argv`` (the entry point's command line)."""
-    from megatron_xmod.pretrain import _validate_before_training
     from megatron_xmod.training import patches
     from megatron_xmod.training.flags import add_arguments, expand_arguments
+    from megatron_xmod.training.preflight import validate_before_training
 
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ["RANK"] = "0"  # validation as rank 0 sees it; rank 0 writes no tensorboard/wandb
     with patches.cpu_patches(training=True):
         expanded = expand_arguments(list(argv))
-        import megatron.training.global_vars as global_vars
         from megatron.training.arguments import parse_and_validate_args
 
-        # A dry run writes nothing: no tensorboard / wandb / one-logger writers (they would create
-        # the run's folders); everything else of set_global_variables runs (tokenizer included).
-        for name in ("_set_tensorboard_writer", "_set_wandb_writer", "_set_one_logger"):
-            setattr(global_vars, name, lambda args: None)
+        patches.no_log_writers()
         saved = sys.argv
         sys.argv = [saved[0] if saved else "dry_run"] + expanded
         log = io.StringIO()  # megatron prints every argument; shown only with XMOD_DRY_RUN_VERBOSE=1
@@ -48,7 +44,7 @@ def validate(argv: list[str]):
             raise
         finally:
             sys.argv = saved
-        _validate_before_training(args)
+        validate_before_training(args)
     return args
 
 

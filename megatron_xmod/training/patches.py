@@ -10,6 +10,7 @@ Each patch names the megatron line it targets (paths relative to ``megatron/core
   the torch-function mode of patch 3 is entered on the way in and exited on the way out.
 - 12, :func:`skip_dataset_helper_build` (every device): the wheel cannot rebuild its dataset helpers.
 - 13, :func:`call_after_training_log` (every device): our routing/compute log after megatron's own.
+- 14, :func:`no_log_writers` (the dry run only): validation that writes nothing.
 """
 from __future__ import annotations
 
@@ -221,3 +222,13 @@ def call_after_training_log(callback: Callable[[int], None]) -> None:
 
     training_log._xmod_callback = callback
     training.training_log = training_log
+
+
+def no_log_writers() -> None:
+    """14. training/global_vars.py:139-141 ``set_global_variables`` creates the tensorboard, wandb and
+    one-logger writers (and with them the run's folders) while megatron validates the arguments; a
+    dry run must write nothing, so these three become no-ops (the tokenizer is still built)."""
+    import megatron.training.global_vars as global_vars
+
+    for name in ("_set_tensorboard_writer", "_set_wandb_writer", "_set_one_logger"):
+        setattr(global_vars, name, lambda args: None)
