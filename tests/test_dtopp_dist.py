@@ -7,6 +7,10 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # torchrun workers
+
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker_dtopp.py")
 
 

@@ -4,14 +4,11 @@ Each case launches real processes with torch.distributed.run; models are tiny so
 ~20-40 s on 2 cores, most of it megatron start-up.
 """
 import os
-import socket
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-import torch
-from helpers import english_bytes
+from entry_point_helpers import free_port, write_byte_data
 
 pytestmark = pytest.mark.slow
 
@@ -27,22 +24,7 @@ CPU = ["--distributed-backend", "gloo", "--no-gradient-accumulation-fusion", "--
 
 @pytest.fixture(scope="module")
 def byte_data(tmp_path_factory):
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    prefix = str(tmp_path_factory.mktemp("data") / "bytes")
-    data = english_bytes().numpy()
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    for start in range(0, len(data), 400):
-        builder.add_item(torch.tensor(np.append(data[start : start + 400], 255).astype(np.int64)))
-        builder.end_document()
-    builder.finalize(prefix + ".idx")
-    return prefix
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return write_byte_data(str(tmp_path_factory.mktemp("data") / "bytes"))
 
 
 SCHEDULE = ["--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
@@ -50,7 +32,7 @@ SCHEDULE = ["--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "-
 
 def launch(nproc, out, data, *extra, check=True, arch=ARCH, routed=ROUTED, schedule=SCHEDULE):
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_free_port()}", "-m", "megatron_xmod.pretrain", *routed, *arch, *CPU,
+               f"--master_port={free_port()}", "-m", "megatron_xmod.pretrain", *routed, *arch, *CPU,
                "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
                "--global-batch-size", "4", "--train-iters", str(ITERS), *schedule, "--tokenizer-type", "NullTokenizer",
                "--vocab-size", "256", "--data-path", data, "--split", "90,5,5", "--attention-dropout", "0",
