@@ -92,25 +92,18 @@ class XModConfig(TransformerConfig):
         # Sparse layers carry router/gate parameters that dense layers lack, so the checkpoint
         # cannot stack "layers.*" into one tensor per name: save them layer by layer.
         self.hetereogenous_dist_checkpoint = True
-        check_routing_compatibility(self)
-        if self.recompute_granularity == "full" and self.xmod_token_choice_bias_tau > 0:
-            raise ValueError(
-                "recompute_granularity: 'full' replays layers out of order, but the token-choice bias is "
-                "carried from layer to layer; use 'selective' or set xmod_token_choice_bias_tau=0"
-            )
+        check_routing_compatibility(self, self.xmod_token_choice_bias_tau)
 
     def sparse_layer_routing(self, layer: LayoutLayer) -> SparseLayerRouting:
         """The spec params of the sparse layer at ``layer`` of this config's layout."""
-        return SparseLayerRouting(
-            family=self.layer_layout.family, sparsity_k=layer.sparsity_k,
-            token_choice_bias_tau=self.xmod_token_choice_bias_tau,
+        return SparseLayerRouting.at(
+            layer, self.layer_layout.family, token_choice_bias_tau=self.xmod_token_choice_bias_tau,
             token_choice_bias_increment=self.xmod_token_choice_bias_increment,
             router_bce_coeff=self.xmod_router_bce_coeff, gate_scale_init=self.xmod_gate_scale_init,
-            block=layer.block, index_in_block=layer.index_in_block,
         )
 
 
-def check_routing_compatibility(config: TransformerConfig) -> None:
+def check_routing_compatibility(config: TransformerConfig, token_choice_bias_tau: float) -> None:
     """Reject the megatron options a routed layer cannot run with, by field name; any
     ``TransformerConfig`` (a sparse layer checks the config it is built with)."""
     # Routing needs every token of a sequence on this rank to rank them (top-k over L).
@@ -124,6 +117,11 @@ def check_routing_compatibility(config: TransformerConfig) -> None:
         raise ValueError(
             "apply_rope_fusion: routed layers apply RoPE at per-sequence gathered positions, which the "
             "fused kernel does not support; set apply_rope_fusion=False (--no-rope-fusion)"
+        )
+    if config.recompute_granularity == "full" and token_choice_bias_tau > 0:
+        raise ValueError(
+            "recompute_granularity: 'full' replays layers out of order, but the token-choice bias is "
+            "carried from layer to layer; use 'selective' or set xmod_token_choice_bias_tau=0"
         )
     if config.num_moe_experts is not None:
         raise ValueError("num_moe_experts: MoE feed-forward inside routed layers is not supported")

@@ -88,12 +88,7 @@ class XModSparseLayer(TransformerLayer):
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
         if not isinstance(routing, SparseLayerRouting):
             raise TypeError(f"routing: expected a SparseLayerRouting in the layer spec params, got {type(routing).__name__}")
-        check_routing_compatibility(config)
-        if config.recompute_granularity == "full" and routing.token_choice_bias_tau > 0:
-            raise ValueError(
-                "recompute_granularity: 'full' replays layers out of order, but the token-choice bias is "
-                "carried from layer to layer; use 'selective' or set xmod_token_choice_bias_tau=0"
-            )
+        check_routing_compatibility(config, routing.token_choice_bias_tau)
         self.routing = routing
         self.routing_state: Optional[RoutingState] = None
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()

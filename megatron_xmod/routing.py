@@ -38,6 +38,13 @@ class SparseLayerRouting:
     block: int = 0  # sparse block of the layout
     index_in_block: int = 0  # position among the block's sparse layers (0: b starts at 0)
 
+    @classmethod
+    def at(cls, layer, family: str, **settings) -> SparseLayerRouting:
+        """The settings of the sparse layout position ``layer`` (a ``layout.LayoutLayer``): its K and
+        block position, plus the ``settings`` every sparse layer of the model shares."""
+        return cls(family=family, sparsity_k=layer.sparsity_k, block=layer.block,
+                   index_in_block=layer.index_in_block, **settings)
+
     def __post_init__(self):
         if self.family not in SPARSE_FAMILIES:
             raise ValueError(f"routing_family: sparse layers are {' or '.join(SPARSE_FAMILIES)}, got {self.family!r}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import sys
 from typing import Optional
@@ -55,14 +56,19 @@ class LayoutSpecParams:
     gate_scale_init: float = 1.0
 
     def parsed(self) -> Layout:
-        return parse_layout(self.layout, self.family)
+        # Every layer of a stage asks; parse the (up to ~300-layer) layout once per spec.
+        return _parse_layout_cached(self.layout, self.family)
 
     def routing(self, position: int) -> SparseLayerRouting:
-        layer = self.parsed().layers[position]
-        return SparseLayerRouting(
-            family=self.family, sparsity_k=layer.sparsity_k, token_choice_bias_tau=self.token_choice_bias_tau,
+        return SparseLayerRouting.at(
+            self.parsed().layers[position], self.family, token_choice_bias_tau=self.token_choice_bias_tau,
             token_choice_bias_increment=self.token_choice_bias_increment, router_bce_coeff=self.router_bce_coeff,
-            gate_scale_init=self.gate_scale_init, block=layer.block, index_in_block=layer.index_in_block)
+            gate_scale_init=self.gate_scale_init)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_layout_cached(layout: str, family: str) -> Layout:
+    return parse_layout(layout, family)
 
 
 @dataclasses.dataclass

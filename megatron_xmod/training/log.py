@@ -70,7 +70,8 @@ class RoutingLog:
     """Logs one run's routing statistics and compute; ``model_chunks`` are this rank's built chunks."""
 
     model_chunks: list = dataclasses.field(default_factory=list)
-    accounting: Optional[ModelCount] = None  # computed once, at the first log
+    accounting: Optional[ModelCount] = None  # computed once, at the first log; None when uncountable
+    _counted: bool = False
 
     def __call__(self, iteration: int) -> dict[str, float]:
         from megatron.training import get_args, get_tensorboard_writer, print_rank_last
@@ -78,12 +79,13 @@ class RoutingLog:
         args = get_args()
         if iteration % args.log_interval:
             return {}
-        if self.accounting is None:
+        if not self._counted:
             description = describe_from_args(args)
-            self.accounting = False if description is None else count(description, args.seq_length)
+            self.accounting = None if description is None else count(description, args.seq_length)
+            self._counted = True
         tokens = args.consumed_train_samples * args.seq_length
         scalars = {"tokens seen": float(tokens)}
-        if self.accounting:
+        if self.accounting is not None:
             scalars.update({
                 "training flops": 3.0 * self.accounting.flops_per_token * tokens,
                 "forward flops per token": self.accounting.flops_per_token,
