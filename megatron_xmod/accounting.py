@@ -104,14 +104,29 @@ def _forward_flops(b: Backbone, totals: LayerCount, seq_len: int) -> float:
     return float(2 * totals.active_matmul + 4 * seq_len * b.attention_dim * totals.attention_units)
 
 
+def dense_reference(layout: Layout) -> Layout:
+    """The dense model a layout is compared with: the same activated depth (phi/phi_D, D/D_D are
+    only meaningful between models a token passes through equally deep)."""
+    depth = layout.activated_depth
+    if depth.denominator != 1:
+        raise ValueError(f"layout: {layout.notation!r} activates {float(depth):g} layers per token, which no dense "
+                         "model matches; make the activated depth whole (e.g. a sparse block of A*K layers of "
+                         "sparsity K activates A layers)")
+    return parse_layout(f"D*{int(depth)}")
+
+
 def count(model: ModelDescription, seq_len: int) -> ModelCount:
-    """Parameters and FLOPs of ``model``; the dense reference is the backbone's dense model."""
+    """Parameters and FLOPs of ``model``; the dense reference is the dense model of the same
+    activated depth on the same backbone (:func:`dense_reference`; NaN ratios when there is none)."""
     if seq_len < 1:
         raise ValueError(f"seq_len: must be >= 1, got {seq_len}")
     b, layout, moe = model.backbone, model.layout, model.moe
     totals = _sum_layers(b, layout, moe)
     flops = _forward_flops(b, totals, seq_len)
-    dense_flops = _forward_flops(b, _sum_layers(b, parse_layout(f"D*{b.num_layers}"), None), seq_len)
+    try:
+        dense_flops = _forward_flops(b, _sum_layers(b, dense_reference(layout), None), seq_len)
+    except ValueError:  # a fractional activated depth: no dense model to compare with (xmod count refuses it)
+        dense_flops = float("nan")
     notation = layout.notation
     if moe is not None:
         d_e = moe.expert_ffn_size(b.ffn_hidden_size)

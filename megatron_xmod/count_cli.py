@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import json
 
-from megatron_xmod.accounting import count
+from megatron_xmod.accounting import count, dense_reference
 from megatron_xmod.moe.presets import MOE_MODEL_NAMES
-from megatron_xmod.presets import BACKBONES, get_backbone, parse_model
+from megatron_xmod.presets import BACKBONE_FILE_FIELDS, BACKBONES, parse_model, resolve_backbone
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("count", help="parameters and FLOPs/token of a Dense / MoD / X-MoD model")
-    p.add_argument("--backbone", default="556m", help=f"one of {', '.join(BACKBONES)}")
+    p.add_argument("--backbone", default="556m",
+                   help=f"a preset ({', '.join(BACKBONES)}) or a JSON file with the fields "
+                        f"{', '.join(BACKBONE_FILE_FIELDS)} (num_layers = the activated depth)")
     p.add_argument("--model", action="append", default=None,
                    help=f"dense, mod, mod-k<K>, xmod-a4k8, xmod-a3k16, xmod-a<A>k<K>, {', '.join(MOE_MODEL_NAMES)}, "
                         "or a layout such as 'D*4 + (S8*8 + D)*4'; repeat for a table (default: the paper's four)")
@@ -21,25 +23,32 @@ def register(subparsers) -> None:
 
 
 def _fmt(n: float) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
 
 
 def run(args) -> int:
-    backbone = get_backbone(args.backbone)
+    backbone = resolve_backbone(args.backbone)
     models = args.model or ["dense", "mod", "xmod-a4k8", "xmod-a3k16"]
     rows = []
     for model in models:
-        row = count(parse_model(model, backbone, dense_prefix=args.dense_prefix), args.seq_len).to_dict()
-        rows.append(dict(model=model, **row))
+        description = parse_model(model, backbone, dense_prefix=args.dense_prefix)
+        reference = dense_reference(description.layout)  # refuses a layout no dense model matches
+        row = count(description, args.seq_len).to_dict()
+        rows.append(dict(model=model, dense_reference=reference.notation, **row))
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return 0
     width = max(12, *(len(r["model"]) for r in rows))
     header = f"{'model':<{width}} {'layers':>6} {'N':>8} {'N_act':>8} {'FLOPs/tok':>10} {'phi/phi_D':>9} {'D/D_D':>6}  layout"
-    print(f"backbone {backbone.name}, L = {args.seq_len}")
+    print(f"backbone {backbone.name}, L = {args.seq_len}; phi/phi_D and D/D_D against the dense model of the same "
+          f"activated depth ({', '.join(sorted(set(r['dense_reference'] for r in rows)))})")
     print(header)
     for r in rows:
         print(f"{r['model']:<{width}} {r['num_layers']:>6} {_fmt(r['total_params']):>8} {_fmt(r['active_params']):>8} "
               f"{r['flops_per_token']:>10.3g} {r['flops_ratio_vs_dense']:>9.3f} {r['tokens_ratio_vs_dense']:>6.2f}  {r['layout']}")
+    others = sorted({r["dense_reference"] for r in rows} - {f"D*{backbone.num_layers}"})
+    if others:
+        print(f"note: {', '.join(others)} differ from the backbone's activated depth num_layers = {backbone.num_layers}; "
+              "each model is compared with the dense model of its own activated depth")
     return 0

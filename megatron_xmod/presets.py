@@ -8,7 +8,9 @@ Qwen3-1.7B, so we keep Qwen3's QK-norm and RoPE base too). :func:`parse_model` t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Optional
 
 from megatron_xmod.layout import Layout, layout_from_model_name, parse_layout
@@ -53,6 +55,86 @@ def get_backbone(name: str) -> Backbone:
     if key not in BACKBONES:
         raise ValueError(f"backbone: {name!r} is not one of {', '.join(BACKBONES)}")
     return BACKBONES[key]
+
+
+# A backbone file holds these fields (the preset backbones' own); required ones have no default.
+BACKBONE_FILE_FIELDS = ("hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "ffn_hidden_size",
+                        "num_layers", "vocab_size", "rotary_base", "qk_layernorm")
+_REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "num_layers")
+
+
+def is_backbone_file(spec: str) -> bool:
+    return str(spec).lower().endswith(".json") or Path(spec).is_file()
+
+
+def resolve_backbone(spec: str | Backbone) -> Backbone:
+    """A preset name (165m ... 1.65b) or a JSON file with the fields of :data:`BACKBONE_FILE_FIELDS`."""
+    if isinstance(spec, Backbone):
+        return spec
+    if is_backbone_file(spec):
+        return backbone_from_file(spec)
+    try:
+        return get_backbone(spec)
+    except ValueError:
+        raise ValueError(f"backbone: {spec!r} is neither a preset ({', '.join(BACKBONES)}) nor a JSON file; "
+                         f"write your model as JSON with the fields {', '.join(BACKBONE_FILE_FIELDS)}") from None
+
+
+def backbone_from_file(path: str | Path) -> Backbone:
+    """Read a backbone JSON file; every problem names the field: ``backbone FILE: field: why; fix``."""
+    path = Path(path)
+    where = f"backbone {path}"
+    if not path.is_file():
+        raise ValueError(f"{where}: file not found; give a preset ({', '.join(BACKBONES)}) or an existing JSON file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: not valid JSON ({e}); write one object such as "
+                         f"{json.dumps(backbone_to_dict(BACKBONES['165m']))}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a JSON object with the fields {', '.join(BACKBONE_FILE_FIELDS)}")
+    return backbone_from_dict(data, where, default_name=path.stem)
+
+
+def backbone_to_dict(b: Backbone) -> dict:
+    return {f: getattr(b, f) for f in BACKBONE_FILE_FIELDS}
+
+
+def backbone_from_dict(data: dict, where: str = "backbone", default_name: str = "custom") -> Backbone:
+    unknown = sorted(set(data) - set(BACKBONE_FILE_FIELDS) - {"name"})
+    if unknown:
+        raise ValueError(f"{where}: {unknown[0]}: not a backbone field; use only {', '.join(BACKBONE_FILE_FIELDS)}")
+    missing = [f for f in _REQUIRED_FIELDS if f not in data]
+    if missing:
+        raise ValueError(f"{where}: {missing[0]}: missing; add it (required: {', '.join(_REQUIRED_FIELDS)}; "
+                         "optional: num_query_groups, head_dim, vocab_size, rotary_base, qk_layernorm)")
+    values = {}
+    for name in BACKBONE_FILE_FIELDS:
+        if name not in data:
+            continue
+        value = data[name]
+        if name == "qk_layernorm":
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: qk_layernorm: must be true or false, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {name}: must be a positive integer, got {value!r}; write it without quotes "
+                             "or decimals")
+        values[name] = value
+    heads = values["num_attention_heads"]
+    values.setdefault("num_query_groups", heads)
+    if "head_dim" not in values:
+        if values["hidden_size"] % heads:
+            raise ValueError(f"{where}: head_dim: missing, and hidden_size {values['hidden_size']} is not divisible "
+                             f"by num_attention_heads {heads}; give head_dim")
+        values["head_dim"] = values["hidden_size"] // heads
+    if heads % values["num_query_groups"]:
+        raise ValueError(f"{where}: num_query_groups: {values['num_query_groups']} does not divide "
+                         f"num_attention_heads {heads}; use a divisor of it (GQA)")
+    name = data.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: name: must be a non-empty string, got {name!r}")
+    default = {f.name: f.default for f in fields(Backbone) if f.name in ("vocab_size", "qk_layernorm", "rotary_base")}
+    return Backbone(name=name, **{**default, **values})
 
 
 def backbone_flags(b: Backbone) -> list[str]:
