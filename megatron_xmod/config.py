@@ -46,6 +46,11 @@ class XModConfig(TransformerConfig):
     refined), while a confidently routed token (|s| >~ 2) stays routed: it discourages repeats
     without forcing uniform routing, which is what the paper asks of it."""
 
+    xmod_token_choice_bias_tau_warmup: int = 0
+    """Training iterations over which tau ramps linearly from 0 to its value (0: tau from the first
+    step). Read from the routing state's iteration, which our entry point sets before each step;
+    evaluation of a trained model uses the full tau. See docs/routing.md (the tau study)."""
+
     xmod_token_choice_bias_increment: float = 1.0
     """Added to b_i each time token i is selected (Eq.8). 1 makes b a selection count; only
     tau * increment matters, so tune tau and keep this at 1."""
@@ -57,6 +62,10 @@ class XModConfig(TransformerConfig):
     """Initial value of the learnable per-layer gate scale varsigma (Eq.7). 1 keeps the sparse layer
     an ordinary residual layer gated by r at initialisation; megatron's output-layer init already
     scales each branch by the physical depth."""
+
+    xmod_gate_scale_learnable: bool = True
+    """False keeps varsigma fixed at its initial value (the paper's "w/o gated residual scaling"
+    ablation, Table 3: varsigma = 1, not learned); the parameter stays in the checkpoint."""
 
     xmod_eval_routing: str = "threshold"
     """Routing rule in eval mode when the model is built: threshold (deployable, causal) or topk (for
@@ -100,6 +109,8 @@ class XModConfig(TransformerConfig):
             layer, self.layer_layout.family, token_choice_bias_tau=self.xmod_token_choice_bias_tau,
             token_choice_bias_increment=self.xmod_token_choice_bias_increment,
             router_bce_coeff=self.xmod_router_bce_coeff, gate_scale_init=self.xmod_gate_scale_init,
+            gate_scale_learnable=self.xmod_gate_scale_learnable,
+            token_choice_bias_tau_warmup=self.xmod_token_choice_bias_tau_warmup,
         )
 
 

@@ -99,7 +99,8 @@ class XModSparseLayer(TransformerLayer):
             self.router.bias.zero_()
         if routing.family == "xmod":
             self.gate_scale = torch.nn.Parameter(
-                torch.full((1,), float(routing.gate_scale_init), device=device, dtype=config.params_dtype)
+                torch.full((1,), float(routing.gate_scale_init), device=device, dtype=config.params_dtype),
+                requires_grad=routing.gate_scale_learnable,  # frozen: the fixed-varsigma ablation (same checkpoint keys)
             )
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None, context_mask=None,
@@ -117,7 +118,9 @@ class XModSparseLayer(TransformerLayer):
         logits = self.router(hidden_states).squeeze(-1).float()  # [s, b]
         carried_bias, previous_selected = state.take_bias(self.layer_number, (seq_len, batch))
         rule = "topk" if self.training else state.eval_rule
-        decision = route(logits, routing.sparsity_k, rule, carried_bias, routing.token_choice_bias_tau)
+        tau = routing.effective_tau(state.iteration)  # during a training run the warm-up's value, else the full tau
+        decision = route(logits, routing.sparsity_k, rule, carried_bias, tau)
+        state.observe(self.layer_number, logits, decision)
         bias = update_token_choice_bias(carried_bias, decision.selected, routing.token_choice_bias_increment)
         state.put_bias(self.layer_number, bias, decision.selected)
         self._record_metrics(state, decision, bias, previous_selected)

@@ -35,6 +35,8 @@ class SparseLayerRouting:
     token_choice_bias_increment: float = 1.0
     router_bce_coeff: float = 1e-4
     gate_scale_init: float = 1.0
+    gate_scale_learnable: bool = True  # False: varsigma stays at gate_scale_init (Table 3 ablation, fixed 1)
+    token_choice_bias_tau_warmup: int = 0  # iterations over which tau ramps linearly from 0 (0: no warm-up)
     block: int = 0  # sparse block of the layout
     index_in_block: int = 0  # position among the block's sparse layers (0: b starts at 0)
 
@@ -44,6 +46,10 @@ class SparseLayerRouting:
         block position, plus the ``settings`` every sparse layer of the model shares."""
         return cls(family=family, sparsity_k=layer.sparsity_k, block=layer.block,
                    index_in_block=layer.index_in_block, **settings)
+
+    def effective_tau(self, iteration: Optional[int]) -> float:
+        """tau at training ``iteration`` under the warm-up (:func:`tau_at`); the full tau for None."""
+        return tau_at(self.token_choice_bias_tau, self.token_choice_bias_tau_warmup, iteration)
 
     def __post_init__(self):
         if self.family not in SPARSE_FAMILIES:
@@ -55,11 +61,25 @@ class SparseLayerRouting:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"xmod_{name}: must be a finite number >= 0, got {value!r}")
+        warmup = self.token_choice_bias_tau_warmup
+        if not (isinstance(warmup, int) and warmup >= 0):
+            raise ValueError(f"xmod_token_choice_bias_tau_warmup: must be an integer number of iterations >= 0, got {warmup!r}")
         if not (math.isfinite(self.gate_scale_init) and self.gate_scale_init > 0):
             raise ValueError(
                 f"xmod_gate_scale_init: must be > 0 (0 would cut the gradient of the router and of the "
                 f"layer), got {self.gate_scale_init!r}"
             )
+
+
+def tau_at(tau: float, warmup: int, iteration: Optional[int]) -> float:
+    """The token-choice bias scale at training ``iteration``: tau * min(1, iteration / warmup).
+
+    ``iteration`` None means a trained model (evaluation, diagnostics, export): the full tau. The
+    warm-up starts from 0 so that the first steps rank tokens by the router alone; see docs/routing.md.
+    """
+    if warmup <= 0 or iteration is None:
+        return tau
+    return tau * min(1.0, max(0, iteration) / warmup)
 
 
 def adjusted_logits(logits: torch.Tensor, token_choice_bias: Optional[torch.Tensor], tau: float) -> torch.Tensor:

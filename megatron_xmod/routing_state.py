@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Optional
 
 import torch
@@ -34,6 +34,12 @@ class RoutingState:
         self._sums: dict[tuple[str, int], torch.Tensor] = {}
         self._counts: dict[tuple[str, int], int] = defaultdict(int)
         self._microbatch_losses: list[torch.Tensor] = []
+        # Training iteration being run (set before each train step by patch 15 of training/patches.py):
+        # the token-choice bias warm-up reads it. None outside training: a trained model, full tau.
+        self.iteration: Optional[int] = None
+        # Callables (layer_number, router logits, RoutingDecision) that see every sparse layer's routing
+        # as it happens (the routing report's recorder, megatron_xmod.diagnostics); empty in training.
+        self.observers: list[Callable] = []
 
     # --- token-choice bias hand-over ---------------------------------------------------------------
     def take_bias(self, layer_number: int, shape: tuple[int, ...]):
@@ -50,6 +56,10 @@ class RoutingState:
 
     def put_bias(self, layer_number: int, bias: torch.Tensor, selected: torch.Tensor) -> None:
         self._carry = (layer_number, bias, selected)
+
+    def observe(self, layer_number: int, logits: torch.Tensor, decision) -> None:
+        for observer in self.observers:
+            observer(layer_number, logits, decision)
 
     # --- statistics ---------------------------------------------------------------------------------
     def record(self, name: str, layer_number: int, value: torch.Tensor) -> None:

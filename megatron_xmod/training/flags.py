@@ -11,7 +11,7 @@ import argparse
 
 from megatron_xmod.layout import ROUTING_FAMILIES, LayoutError, layout_from_model_name, resolve_layout
 from megatron_xmod.moe.presets import is_moe_model_name
-from megatron_xmod.presets import BACKBONES, backbone_flags, get_backbone
+from megatron_xmod.presets import BACKBONES, backbone_flags, resolve_backbone
 
 MUON_TABLE5 = [  # the X-MoD paper, Table 5 (peak LR 3.2e-3; AdamW settings for the non-matrix parameters)
     "--optimizer", "muon", "--lr", "3.2e-3", "--muon-momentum", "0.95", "--muon-num-ns-steps", "5",
@@ -19,6 +19,10 @@ MUON_TABLE5 = [  # the X-MoD paper, Table 5 (peak LR 3.2e-3; AdamW settings for 
     "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--weight-decay", "0.1",
 ]
 PAPER_SCHEDULE = ["--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.01"]  # cosine to 10% of peak
+# megatron on a CPU (gloo, no fused kernels, local attention, weights initialised on the CPU): --xmod-cpu.
+CPU_FLAGS = ["--distributed-backend", "gloo", "--no-gradient-accumulation-fusion", "--transformer-impl", "local",
+             "--no-persist-layer-norm", "--no-create-attention-mask-in-dataloader", "--use-cpu-initialization",
+             "--no-rope-fusion"]
 # Flags that describe the layout: after expansion only the explicit family and layout remain.
 _LAYOUT_FLAGS = {"--xmod-model", "--xmod-routing-family", "--xmod-layout", "--xmod-anchor-stride",
                  "--xmod-dense-prefix", "--xmod-activated-depth"}
@@ -28,26 +32,45 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     """The ``--xmod-*`` group; each dest is an :class:`~megatron_xmod.config.XModConfig` field name,
     so megatron's ``core_transformer_config_from_args`` maps them onto the config unchanged."""
     group = parser.add_argument_group("X-MoD", "sparse-depth routing (megatron_xmod)")
-    group.add_argument("--xmod-backbone", default=None, choices=sorted(BACKBONES),
-                       help="Table 4 preset: expands to megatron's architecture flags")
+    group.add_argument("--xmod-backbone", default=None, metavar="PRESET_OR_JSON",
+                       help=f"a Table 4 preset ({', '.join(BACKBONES)}) or a backbone JSON file (fields of "
+                            "`xmod count --help`): expands to megatron's architecture flags; its num_layers is "
+                            "the activated depth named models are derived for")
     group.add_argument("--xmod-model", default=None,
                        help="named model: dense, mod, mod-k<K>, xmod-a<A>k<K> (xmod-a4k8, xmod-a3k16), a layout, "
                             "or an MoE name (same as --moe-preset)")
-    group.add_argument("--xmod-routing-family", dest="xmod_routing_family", default="dense", choices=ROUTING_FAMILIES)
-    group.add_argument("--xmod-sparsity-k", dest="xmod_sparsity_k", type=int, default=None, help="K")
-    group.add_argument("--xmod-anchor-stride", dest="xmod_anchor_stride", type=float, default=None, help="A")
-    group.add_argument("--xmod-dense-prefix", dest="xmod_dense_prefix", type=int, default=None, help="N0")
-    group.add_argument("--xmod-layout", dest="xmod_layout", default=None, help="e.g. 'D*4 + (S8*8 + D)*4'")
-    group.add_argument("--xmod-activated-depth", dest="xmod_activated_depth", type=int, default=None)
-    group.add_argument("--xmod-token-choice-bias-tau", dest="xmod_token_choice_bias_tau", type=float, default=0.5)
-    group.add_argument("--xmod-token-choice-bias-increment", dest="xmod_token_choice_bias_increment", type=float, default=1.0)
-    group.add_argument("--xmod-router-bce-coeff", dest="xmod_router_bce_coeff", type=float, default=1e-4)
-    group.add_argument("--xmod-gate-scale-init", dest="xmod_gate_scale_init", type=float, default=1.0)
-    group.add_argument("--xmod-eval-routing", dest="xmod_eval_routing", default="threshold", choices=("threshold", "topk"))
+    group.add_argument("--xmod-routing-family", dest="xmod_routing_family", default="dense", choices=ROUTING_FAMILIES,
+                       help="dense, mod (Eq.6: x + a + r f) or xmod (Eq.7: x + s r (a + f)) for every sparse layer")
+    group.add_argument("--xmod-sparsity-k", dest="xmod_sparsity_k", type=int, default=None,
+                       help="K: a sparse layer processes 1/K of the tokens (with --xmod-routing-family)")
+    group.add_argument("--xmod-anchor-stride", dest="xmod_anchor_stride", type=float, default=None,
+                       help="A: a sparse block is A*K sparse layers and one dense anchor (X-MoD)")
+    group.add_argument("--xmod-dense-prefix", dest="xmod_dense_prefix", type=int, default=None,
+                       help="N0: dense layers before the first sparse block (default 4 for named models)")
+    group.add_argument("--xmod-layout", dest="xmod_layout", default=None,
+                       help="an explicit layout, e.g. 'D*4 + (S8*8 + D)*4' (D dense, S<K> sparse)")
+    group.add_argument("--xmod-activated-depth", dest="xmod_activated_depth", type=int, default=None,
+                       help="layers a token passes through on average (a sparse layer counts 1/K); derives the "
+                            "layout of --xmod-model / --xmod-sparsity-k (default: the backbone's num_layers, else 28)")
+    group.add_argument("--xmod-token-choice-bias-tau", dest="xmod_token_choice_bias_tau", type=float, default=0.5,
+                       help="tau of the token-choice bias (Eq.8); 0 switches it off")
+    group.add_argument("--xmod-token-choice-bias-increment", dest="xmod_token_choice_bias_increment", type=float,
+                       default=1.0, help="added to b for each sparse layer that routed the token (Eq.8)")
+    group.add_argument("--xmod-router-bce-coeff", dest="xmod_router_bce_coeff", type=float, default=1e-4,
+                       help="weight of the router BCE loss that teaches threshold routing")
+    group.add_argument("--xmod-gate-scale-init", dest="xmod_gate_scale_init", type=float, default=1.0,
+                       help="initial X-MoD gate scale (varsigma of Eq.7)")
+    group.add_argument("--xmod-eval-routing", dest="xmod_eval_routing", default="threshold", choices=("threshold", "topk"),
+                       help="routing rule at validation: threshold (deployable, sigmoid > 0.5) or top-k")
     group.add_argument("--xmod-muon-table5", action="store_true", help="the paper's Muon settings (Table 5)")
     group.add_argument("--xmod-paper-schedule", action="store_true", help="1%% warmup, cosine to 10%% of peak")
     group.add_argument("--xmod-no-topk-validation", action="store_true",
                        help="skip the top-k routing comparison loss during validation")
+    group.add_argument("--xmod-cpu", action="store_true",
+                       help="megatron on a CPU: " + " ".join(CPU_FLAGS))
+    group.add_argument("--xmod-megatron-args", default="auto", choices=("auto", "console", "file"),
+                       help="megatron's argument dump: console, or file (megatron_arguments.txt in --save, else "
+                            "--tensorboard-dir); auto = console with a GPU, file on CPU")
     return parser
 
 
@@ -76,7 +99,7 @@ def expand_arguments(argv: list[str]) -> list[str]:
     head: list[str] = []
     activated = pre.xmod_activated_depth
     if pre.xmod_backbone:
-        b = get_backbone(pre.xmod_backbone)
+        b = resolve_backbone(pre.xmod_backbone)
         activated = activated or b.num_layers
         head += backbone_flags(b)
     dense_prefix = pre.xmod_dense_prefix
@@ -102,6 +125,8 @@ def expand_arguments(argv: list[str]) -> list[str]:
         head += ["--num-layers", str(layout.num_layers)]
     if layout.num_sparse_layers:
         head += ["--no-rope-fusion"]
+    if pre.xmod_cpu:
+        head += CPU_FLAGS
     if pre.xmod_muon_table5:
         head += MUON_TABLE5
     if pre.xmod_paper_schedule:

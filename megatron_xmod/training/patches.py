@@ -11,6 +11,8 @@ Each patch names the megatron line it targets (paths relative to ``megatron/core
 - 12, :func:`skip_dataset_helper_build` (every device): the wheel cannot rebuild its dataset helpers.
 - 13, :func:`call_after_training_log` (every device): our routing/compute log after megatron's own.
 - 14, :func:`no_log_writers` (the dry run only): validation that writes nothing.
+- 15, :func:`iteration_to_routing_state` (every device): the token-choice bias warm-up's clock.
+- 16, :func:`validation_from_the_start` (every device): every validation scores the same sequences.
 """
 from __future__ import annotations
 
@@ -232,3 +234,93 @@ def no_log_writers() -> None:
 
     for name in ("_set_tensorboard_writer", "_set_wandb_writer", "_set_one_logger"):
         setattr(global_vars, name, lambda args: None)
+
+
+def iteration_to_routing_state() -> None:
+    """15. training/training.py:3856 ``train_step(..., iteration=iteration, ...)``: before each step,
+    hand the iteration to the routing states of the model chunks (``RoutingState.iteration``), which
+    the token-choice bias warm-up reads (``--xmod-token-choice-bias-tau-warmup``). A resumed run gets
+    the right value too, since megatron passes the restored iteration. Installed once per process."""
+    import megatron.training.training as training
+
+    original = training.train_step
+    if getattr(original, "_xmod_iteration", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def train_step(*args, **kwargs):
+        from megatron_xmod.routing_state import routing_states
+
+        bound = signature.bind(*args, **kwargs).arguments
+        iteration = bound.get("iteration")
+        if iteration is None:
+            from megatron.training import get_args
+
+            iteration = get_args().curr_iteration
+        for state in routing_states(bound["model"]):
+            state.iteration = int(iteration)
+        return original(*args, **kwargs)
+
+    train_step._xmod_iteration = True
+    training.train_step = train_step
+
+
+def validation_from_the_start() -> None:
+    """16. training/training.py:4579 builds the validation loader at ``args.consumed_valid_samples``
+    and ``evaluate`` (training.py:4160) continues its iterator, so each periodic validation scores
+    the next ``eval_iters`` batches and a curve mixes batch difficulty with progress. Here the
+    validation iterators built by ``build_train_valid_test_data_iterators`` (training.py:4601) restart
+    from the first validation sample at every ``evaluate`` call: every point of a run's curve, and
+    every run, is scored on the same sequences. The test iterator is untouched. Installed once."""
+    import megatron.training.training as training
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    if getattr(training.evaluate, "_xmod_from_the_start", False):
+        return
+
+    class ValidationFromTheStart(RerunDataIterator):
+        def __init__(self, dataset):
+            self.dataset = dataset
+            super().__init__(self._fresh())
+
+        def _fresh(self):
+            return iter(training.cyclic_iter(training.build_pretraining_data_loader(self.dataset, 0)))
+
+        def restart(self) -> None:
+            self.iterable = self._fresh()
+            self.advance()
+
+    valid_datasets: list = []
+    build_loaders, build_iterators, evaluate = (training.build_train_valid_test_data_loaders,
+                                                training.build_train_valid_test_data_iterators, training.evaluate)
+
+    @functools.wraps(build_loaders)
+    def build_train_valid_test_data_loaders(*args, **kwargs):
+        loaders = build_loaders(*args, **kwargs)
+        valid_datasets[:] = [getattr(loader, "dataset", None) for loader in (loaders[1] or [])]
+        return loaders
+
+    @functools.wraps(build_iterators)
+    def build_train_valid_test_data_iterators(*args, **kwargs):
+        train_iterator, valid_iterators, test_iterator = build_iterators(*args, **kwargs)
+        if valid_iterators is None or training.get_args().dataloader_type == "external":
+            return train_iterator, valid_iterators, test_iterator
+        if isinstance(valid_iterators, list):
+            valid_iterators = [it if it is None or dataset is None else ValidationFromTheStart(dataset)
+                               for it, dataset in zip(valid_iterators, valid_datasets)]
+        elif valid_datasets and valid_datasets[0] is not None:
+            valid_iterators = ValidationFromTheStart(valid_datasets[0])
+        return train_iterator, valid_iterators, test_iterator
+
+    @functools.wraps(evaluate)
+    def evaluate_from_the_start(forward_step_func, data_iterator, *args, **kwargs):
+        for iterator in data_iterator if isinstance(data_iterator, list) else [data_iterator]:
+            if isinstance(iterator, ValidationFromTheStart):
+                iterator.restart()
+        return evaluate(forward_step_func, data_iterator, *args, **kwargs)
+
+    evaluate_from_the_start._xmod_from_the_start = True
+    training.build_train_valid_test_data_loaders = build_train_valid_test_data_loaders
+    training.build_train_valid_test_data_iterators = build_train_valid_test_data_iterators
+    training.evaluate = evaluate_from_the_start
