@@ -1,0 +1,204 @@
+"""Megatron ``torch_dist`` checkpoints in one CPU process: load one saved at any TP/PP/DP/EP layout
+into a full (unsharded) state dict, and save a full state dict back as a checkpoint that our entry
+point resumes from.
+
+Both directions use megatron's own distributed checkpointing. A ``torch_dist`` checkpoint stores
+every tensor in its global (TP1/PP1) shape with its shards' offsets, so building the model of the
+checkpoint's saved ``args`` at TP1/PP1 in this process and asking
+``megatron.core.dist_checkpointing.load`` for that model's sharded state dict gathers the whole
+model, whatever layout wrote it (megatron's resharding does the work). The other way, the TP1/PP1
+model's sharded state dict saved by ``dist_checkpointing.save`` is loadable at any TP/PP: the
+saved ``args`` record the layout the checkpoint is meant for.
+
+No launcher is needed: :func:`single_process_megatron` starts a one-process gloo group (a file
+store, no port) and megatron's model-parallel state at TP1/PP1 unless the caller already has one.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+    state_dict: dict  # the TP1/PP1 model's state_dict(): the adapter's "full megatron state dict"
+    args: argparse.Namespace  # megatron's arguments saved with the checkpoint
+    iteration: int  # 0 for a release checkpoint
+    path: Path  # the iteration folder that was read
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be read (names the field, e.g. ``load`` or ``iteration``)."""
+
+
+# ---------------------------------------------------------------------------------------------- locating
+def checkpoint_path(load_dir: str | os.PathLike, iteration: Optional[int] = None) -> tuple[Path, int]:
+    """The iteration folder of ``load_dir`` (megatron's layout: ``iter_0000012/`` or ``release/`` and
+    the tracker file) and its iteration (0 for release). Accepts an iteration folder itself too."""
+    load_dir = Path(load_dir)
+    if not load_dir.is_dir():
+        raise CheckpointError(f"load: {load_dir} is not a folder; give the --save folder of a megatron run")
+    if (load_dir / "metadata.json").is_file() and iteration is None:  # an iteration folder itself
+        name = load_dir.name
+        return load_dir, 0 if name == "release" else int(name.rsplit("_", 1)[-1])
+    if iteration is not None:
+        path = load_dir / f"iter_{iteration:07d}"
+        if not path.is_dir():
+            have = sorted(p.name for p in load_dir.iterdir() if p.name.startswith(("iter_", "release")))
+            raise CheckpointError(f"iteration: {load_dir} has no {path.name}; it has {have or 'no checkpoints'}")
+        return path, iteration
+    tracker = load_dir / TRACKER
+    if not tracker.is_file():
+        raise CheckpointError(f"load: {load_dir} has no {TRACKER}; is it the --save folder of a megatron run?")
+    text = tracker.read_text().strip()
+    if text == "release":
+        return load_dir / "release", 0
+    return load_dir / f"iter_{int(text):07d}", int(text)
+
+
+def read_common(path: Path) -> dict:
+    """The checkpoint's common (non-tensor) state: ``args``, ``iteration``, ``content_metadata``, ..."""
+    from megatron.core import dist_checkpointing
+
+    metadata = path / "metadata.json"
+    if not metadata.is_file():
+        raise CheckpointError(f"load: {path} is not a torch_dist checkpoint (no metadata.json); save with "
+                              "--ckpt-format torch_dist (megatron's default)")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    if not isinstance(common.get("args"), argparse.Namespace):
+        raise CheckpointError(f"load: {path} holds no saved megatron args; it was not written by megatron's "
+                              "training loop (or by xmod import-hf)")
+    return common
+
+
+# ----------------------------------------------------------------------------------- one-process megatron
+@contextlib.contextmanager
+def single_process_megatron():
+    """megatron-core on this CPU process at TP1/PP1: a one-process gloo group and the model-parallel
+    state, both torn down afterwards when this call created them."""
+    from megatron.core import parallel_state
+
+    from megatron_xmod.training.patches import cpu_patches
+
+    created_group = created_mp = False
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cpu_patches(training=False))
+        if not torch.distributed.is_initialized():
+            store_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="xmod-hf-"))
+            store = torch.distributed.FileStore(os.path.join(store_dir, "store"), 1)
+            torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+            created_group = True
+        if torch.distributed.get_world_size() != 1:
+            raise RuntimeError("checkpoint conversion runs in one process; do not launch it with torchrun")
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)
+            created_mp = True
+        elif (parallel_state.get_tensor_model_parallel_world_size() != 1
+              or parallel_state.get_pipeline_model_parallel_world_size() != 1):
+            raise RuntimeError("checkpoint conversion needs megatron's model-parallel state at TP1/PP1")
+        try:
+            yield
+        finally:
+            if created_mp:
+                parallel_state.destroy_model_parallel()
+            if created_group:
+                torch.distributed.destroy_process_group()
+
+
+def single_process_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` for the same model built whole in one process (TP1/PP1/EP1, no sequence parallel)."""
+    args = copy.deepcopy(args)
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "context_parallel_size", "expert_tensor_parallel_size"):
+        if hasattr(args, name):
+            setattr(args, name, 1)
+    args.virtual_pipeline_model_parallel_size = None
+    args.num_layers_per_virtual_pipeline_stage = None
+    args.pipeline_model_parallel_layout = None
+    args.decoder_first_pipeline_num_layers = None
+    args.decoder_last_pipeline_num_layers = None
+    args.sequence_parallel = False
+    args.use_cpu_initialization = True
+    args.perform_initialization = False  # every tensor is overwritten from the checkpoint
+    args.recompute_granularity = None
+    args.recompute_method = None
+    args.recompute_num_layers = None
+    args.transformer_impl = "local" if not torch.cuda.is_available() else args.transformer_impl
+    return args
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The TP1/PP1 model of ``args`` (our entry point's model provider), in eval mode."""
+    from megatron_xmod.training.providers import build_model as provide
+
+    with torch.random.fork_rng(devices=[]):
+        model = provide(single_process_args(args), pre_process=True, post_process=True)
+    return model.eval()
+
+
+def model_sharded_state_dict(model: torch.nn.Module, content_metadata: Optional[dict]) -> dict:
+    from megatron.core import parallel_state
+
+    metadata = dict(content_metadata or {})
+    metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return model.sharded_state_dict(metadata=metadata)
+
+
+# ------------------------------------------------------------------------------------------------ load
+def load_checkpoint(load_dir: str | os.PathLike, iteration: Optional[int] = None) -> LoadedCheckpoint:
+    """The full TP1/PP1 state dict of a ``torch_dist`` checkpoint saved at any layout, and its args."""
+    from megatron.core import dist_checkpointing
+
+    path, iteration = checkpoint_path(load_dir, iteration)
+    with single_process_megatron():
+        common = read_common(path)
+        args = common["args"]
+        model = build_model(args)
+        sharded = model_sharded_state_dict(model, common.get("content_metadata"))
+        loaded = dist_checkpointing.load({"model": sharded}, str(path))
+        model.load_state_dict(loaded["model"], strict=True)
+        state_dict = {k: v.detach().clone() for k, v in model.state_dict().items() if v is not None}
+    return LoadedCheckpoint(state_dict=state_dict, args=args, iteration=int(common.get("iteration", iteration)),
+                            path=path)
+
+
+# ------------------------------------------------------------------------------------------------ save
+def save_checkpoint(state_dict: dict, args: argparse.Namespace, save_dir: str | os.PathLike,
+                    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> Path:
+    """Save a full TP1/PP1 state dict as a megatron *release* checkpoint under ``save_dir``
+    (``release/`` and the tracker): ``--load`` starts from it at iteration 0 with a fresh optimizer,
+    at any TP/PP (``torch_dist`` reshards on load). The saved args record ``tensor_model_parallel_size``
+    and ``pipeline_model_parallel_size`` as the layout to resume with."""
+    from megatron.core import dist_checkpointing
+
+    save_dir = Path(save_dir)
+    path = save_dir / "release"
+    if path.exists() and any(path.iterdir()):
+        raise CheckpointError(f"save: {path} exists and is not empty; choose a new --save folder")
+    saved_args = copy.deepcopy(args)
+    saved_args.tensor_model_parallel_size = tensor_model_parallel_size
+    saved_args.pipeline_model_parallel_size = pipeline_model_parallel_size
+    with single_process_megatron():
+        model = build_model(args)
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise CheckpointError(f"state_dict: does not match the model of the args (missing {missing[:5]}, "
+                                  f"unexpected {list(unexpected)[:5]})")
+        content_metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        common = {"model": model_sharded_state_dict(model, content_metadata), "args": saved_args,
+                  "checkpoint_version": 3.0, "iteration": 0, "num_floating_point_operations_so_far": 0}
+        path.mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(common, str(path), content_metadata=content_metadata)
+    (save_dir / TRACKER).write_text("release")
+    return path
