@@ -81,6 +81,13 @@ class RoutingState:
         self._counts.clear()
         self._microbatch_losses.clear()
 
+    def forget(self, names) -> None:
+        """Drop the interval statistics of the metrics ``names`` only (e.g. the eval_* ones after a
+        validation, leaving the training interval's for the next log line)."""
+        for key in [key for key in self._sums if key[0] in names]:
+            del self._sums[key]
+            self._counts.pop(key, None)
+
     def items(self):
         """((name, layer_number), (sum, count)) of the interval so far."""
         return ((key, (value, self._counts[key])) for key, value in self._sums.items())
