@@ -69,6 +69,8 @@ def _pretrain(argv: list[str]) -> None:
     if args.rank == 0:
         print(startup_summary(args, argument_dump=where), flush=True)
     patches.call_after_training_log(hooks.after_training_log)
+    patches.iteration_to_routing_state()
+    patches.validation_from_the_start()
     hooks.install_evaluation_log()
     config_container = pretrain_cfg_container_from_args(args, None)
     pretrain(config_container, hooks.datasets_provider, ModelType.encoder_or_decoder, hooks.forward_step,

@@ -54,12 +54,16 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "layout of --xmod-model / --xmod-sparsity-k (default: the backbone's num_layers, else 28)")
     group.add_argument("--xmod-token-choice-bias-tau", dest="xmod_token_choice_bias_tau", type=float, default=0.5,
                        help="tau of the token-choice bias (Eq.8); 0 switches it off")
+    group.add_argument("--xmod-token-choice-bias-tau-warmup", dest="xmod_token_choice_bias_tau_warmup", type=int,
+                       default=0, help="iterations over which tau ramps linearly from 0 (docs/routing.md)")
     group.add_argument("--xmod-token-choice-bias-increment", dest="xmod_token_choice_bias_increment", type=float,
                        default=1.0, help="added to b for each sparse layer that routed the token (Eq.8)")
     group.add_argument("--xmod-router-bce-coeff", dest="xmod_router_bce_coeff", type=float, default=1e-4,
                        help="weight of the router BCE loss that teaches threshold routing")
     group.add_argument("--xmod-gate-scale-init", dest="xmod_gate_scale_init", type=float, default=1.0,
                        help="initial X-MoD gate scale (varsigma of Eq.7)")
+    group.add_argument("--xmod-fixed-gate-scale", dest="xmod_gate_scale_learnable", action="store_false",
+                       help="keep varsigma at --xmod-gate-scale-init, not learned (ablation 'w/o gated residual scaling')")
     group.add_argument("--xmod-eval-routing", dest="xmod_eval_routing", default="threshold", choices=("threshold", "topk"),
                        help="routing rule at validation: threshold (deployable, sigmoid > 0.5) or top-k")
     group.add_argument("--xmod-muon-table5", action="store_true", help="the paper's Muon settings (Table 5)")
