@@ -35,38 +35,10 @@ from megatron.core.transformer.moe.moe_utils import (
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_xmod.moe.config import MoEConfig, check_topp_compatibility
+from megatron_xmod.moe.scores import normalize_routing_logits, top_p_routing  # noqa: F401 (plain torch, shared with the HF model)
 
 # The threshold is clipped to the open interval (0, 1) (paper, "Controller Stability").
 THRESHOLD_EPS = 1e-6
-
-
-def top_p_routing(scores: torch.Tensor, threshold: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-p selection on a [tokens, experts] probability matrix.
-
-    Each token keeps the smallest prefix of its experts, sorted by probability (ties: lower expert
-    index first), whose cumulative probability reaches ``threshold``; at least one expert. Returns
-    the weights renormalised over the kept set and the boolean routing map.
-    """
-    sorted_scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-    # Mass accumulated *before* each expert (an exclusive prefix sum, not cumsum - x, so that the
-    # comparison sees exactly the running sum): keep the expert while the threshold is unmet.
-    cumulative = torch.cumsum(sorted_scores, dim=-1)
-    mass_before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
-    keep_sorted = mass_before < threshold
-    keep_sorted[..., 0] = True  # p -> 0 still routes every token to its best expert
-    routing_map = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    kept = scores * routing_map
-    probs = kept / kept.sum(dim=-1, keepdim=True)
-    return probs, routing_map
-
-
-def normalize_routing_logits(logits: torch.Tensor, theta) -> torch.Tensor:
-    """theta * (z - mu(z)) / sigma(z) over the experts: the DTop-p paper's Dynamic Routing
-    Normalisation (section 4.2.2) with a learnable theta_l, or, with a fixed theta, the "Global 1.0"
-    normalisation of its Top-k and Top-p baselines (Table 6, after Skywork-MoE)."""
-    mean = logits.mean(dim=-1, keepdim=True)
-    std = logits.std(dim=-1, keepdim=True, unbiased=False)
-    return theta * (logits - mean) / (std + 1e-6)
 
 
 def pi_update(p0: float, kp: float, ki: float, integral: torch.Tensor, error: torch.Tensor):

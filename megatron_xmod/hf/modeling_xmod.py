@@ -1,0 +1,379 @@
+"""Hugging Face model of the megatron_xmod models: the same math as megatron's GPTModel with the X-MoD
+layers in eval mode, in plain torch, with generation over a sparse KV cache.
+
+- Dense layers are megatron's pre-norm layers: x + a, then + f (RMSNorm, GQA attention with
+  optional QK-norm and RoPE, SwiGLU MLP or MoE).
+- Sparse layers ("X-MoD: Practical Scaling Laws for Sparse-Depth Routing Beyond Mixture-of-Depths",
+  Eq.6-8) route with the rules of ``routing.py`` (megatron_xmod's own file, copied verbatim into an
+  exported folder): a d->1 router scores every token, the token-choice bias b of the previous
+  sparse layers of the block is subtracted (tau * b), and under the default threshold rule a token
+  is processed when s - tau*b >= 0, which depends on nothing but the token itself, so generation
+  token by token routes exactly as a full-sequence pass. The routed tokens run attention (causal
+  among themselves, RoPE at their original positions) and the MLP, and come back gated:
+  X-MoD x + varsigma*r*(a + f), MoD x + a + r*f, r = sigmoid(s - tau*b). ``routing_rule="topk"``
+  (config or forward kwarg) routes the top L/K of each sequence instead, for full-sequence scoring.
+- MoE layers route with the rules of ``moe_scores.py`` (megatron_xmod/moe/scores.py, copied):
+  megatron's Top-k (softmax, or sigmoid with the expert bias) or Top-p with the threshold the DTop-p
+  controller reached and the DRN temperature theta_l.
+
+Shapes are batch-first ``[b, s, h]`` here; the routing functions take megatron's ``[s, b]``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+try:  # an exported folder: the verbatim copies next to this file
+    from .cache import XModCache
+    from .configuration_xmod import XModHFConfig
+    from .moe_scores import normalize_routing_logits, top_p_routing, topk_routing
+    from .routing import padded_selection, route, update_token_choice_bias
+except ImportError:  # inside the megatron_xmod package
+    from megatron_xmod.hf.cache import XModCache
+    from megatron_xmod.hf.configuration_xmod import XModHFConfig
+    from megatron_xmod.moe.scores import normalize_routing_logits, top_p_routing, topk_routing
+    from megatron_xmod.routing import padded_selection, route, update_token_choice_bias
+
+# transformers 5 names the cache "cache"; 4.x named it "past_key_values".
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+class XModRMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotary_frequencies(config: XModHFConfig, positions: torch.Tensor) -> torch.Tensor:
+    """megatron's RoPE angles ``[..., rot_dim]`` at integer ``positions`` (rot_dim = head_dim * rotary_percent)."""
+    dim = config.head_dim if config.rotary_percent >= 1.0 else int(config.head_dim * config.rotary_percent)
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    if config.rotary_interleaved:
+        return torch.stack((freqs, freqs), dim=-1).flatten(-2)
+    return torch.cat((freqs, freqs), dim=-1)
+
+
+def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if not interleaved:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``x`` ``[b, s, heads, d]``, ``freqs`` ``[b, s, rot_dim]``; the dimensions past rot_dim pass unchanged."""
+    rot_dim = freqs.shape[-1]
+    freqs = freqs.unsqueeze(2)
+    x, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x = x * torch.cos(freqs).to(x.dtype) + _rotate_half(x, interleaved) * torch.sin(freqs).to(x.dtype)
+    return torch.cat((x, x_pass), dim=-1)
+
+
+class XModAttention(nn.Module):
+    def __init__(self, config: XModHFConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        h, d = config.hidden_size, config.head_dim
+        self.heads, self.groups, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.groups * d, bias=False)
+        self.v_proj = nn.Linear(h, self.groups * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        if config.qk_layernorm:
+            self.q_norm = XModRMSNorm(d, config.rms_norm_eps)
+            self.k_norm = XModRMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                cache: Optional[XModCache] = None) -> torch.Tensor:
+        """``x`` ``[b, m, h]``: the tokens this layer processes, in order; ``valid`` ``[b, m]``: which of
+        them other tokens may attend to (not padding). Each token attends causally to the valid
+        tokens of this layer before it (cached ones included) and to itself."""
+        b, m, _ = x.shape
+        q = self.q_proj(x).view(b, m, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, m, self.groups, self.head_dim)
+        v = self.v_proj(x).view(b, m, self.groups, self.head_dim)
+        if self.config.qk_layernorm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        freqs = rotary_frequencies(self.config, positions)
+        q = apply_rotary(q, freqs, self.config.rotary_interleaved)
+        k = apply_rotary(k, freqs, self.config.rotary_interleaved)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, m, d]
+        if cache is not None:
+            k, v, key_valid = cache.update(k, v, self.layer_idx, valid, positions)
+        else:
+            key_valid = valid
+        past = k.shape[2] - m
+        new = torch.ones(m, m, dtype=torch.bool, device=x.device).tril()
+        causal = torch.cat([torch.ones(m, past, dtype=torch.bool, device=x.device), new], dim=1)  # [m, past + m]
+        itself = torch.cat([torch.zeros(m, past, dtype=torch.bool, device=x.device),
+                            torch.eye(m, dtype=torch.bool, device=x.device)], dim=1)
+        allowed = (causal & key_valid[:, None, :]) | itself  # [b, m, past + m]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), scale=1.0 / math.sqrt(self.head_dim),
+                                             enable_gqa=self.heads != self.groups)
+        return self.o_proj(out.transpose(1, 2).reshape(b, m, self.heads * self.head_dim))
+
+
+class XModMLP(nn.Module):
+    def __init__(self, config: XModHFConfig, intermediate_size: int):
+        super().__init__()
+        h = config.hidden_size
+        self.gated = config.gated_linear_unit
+        self.act = F.silu if config.hidden_act == "silu" else F.gelu
+        if self.gated:
+            self.gate_proj = nn.Linear(h, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class XModMoERouter(nn.Module):
+    """The router state megatron checkpoints: gate weight, expert bias (Top-k), DTop-p threshold and
+    integral, DRN theta_l."""
+
+    def __init__(self, config: XModHFConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        if config.moe_router_type == "topk":
+            if config.moe_expert_bias:
+                self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+        else:
+            self.register_buffer("dtopp_threshold", torch.full((1,), 0.25))
+            self.register_buffer("dtopp_integral", torch.zeros(1))
+            if config.moe_routing_norm == "learnable":
+                self.drn_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens`` ``[t, h]`` -> (weights ``[t, experts]``, boolean routing map ``[t, experts]``)."""
+        c = self.config
+        logits = F.linear(tokens.float(), self.weight.float())  # megatron's fp32 router (moe_router_dtype)
+        if c.moe_router_type == "topk":
+            if c.moe_routing_norm == "fixed":
+                logits = normalize_routing_logits(logits, c.moe_routing_norm_theta)
+            probs, indices = topk_routing(logits, c.moe_router_topk, c.moe_score_function, c.moe_router_pre_softmax,
+                                          getattr(self, "expert_bias", None), c.moe_router_topk_scaling_factor)
+            weights = torch.zeros_like(logits).scatter(1, indices, probs)
+            return weights, torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+        if c.moe_routing_norm != "none":
+            theta = self.drn_scale if c.moe_routing_norm == "learnable" else c.moe_routing_norm_theta
+            logits = normalize_routing_logits(logits, theta)
+        return top_p_routing(torch.softmax(logits, dim=-1), self.dtopp_threshold)
+
+
+class XModMoE(nn.Module):
+    def __init__(self, config: XModHFConfig):
+        super().__init__()
+        self.router = XModMoERouter(config)
+        self.experts = nn.ModuleList(XModMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.shared_experts = (XModMLP(config, config.shared_expert_intermediate_size)
+                               if config.shared_expert_intermediate_size else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, routing_map = self.router(tokens)
+        out = torch.zeros_like(tokens)
+        for e in routing_map.any(0).nonzero().flatten().tolist():
+            rows = routing_map[:, e].nonzero().flatten()
+            out.index_add_(0, rows, self.experts[e](tokens[rows]) * weights[rows, e, None].to(tokens.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.view_as(x)
+
+
+class XModDecoderLayer(nn.Module):
+    """A dense layer, or (``config.is_sparse(layer_idx)``) a routed MoD / X-MoD layer."""
+
+    def __init__(self, config: XModHFConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.sparse = config.is_sparse(layer_idx)
+        self.sparsity_k = config.layer_sparsity_k[layer_idx]
+        self.input_layernorm = XModRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = XModAttention(config, layer_idx)
+        self.post_attention_layernorm = XModRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = XModMoE(config) if config.is_moe else XModMLP(config, config.intermediate_size)
+        if self.sparse:
+            self.router = nn.Linear(config.hidden_size, 1, bias=True)
+            if config.routing_family == "xmod":
+                self.gate_scale = nn.Parameter(torch.ones(1))
+
+    def _attention_and_mlp(self, x, positions, valid, cache):
+        attention = self.self_attn(self.input_layernorm(x), positions, valid, cache)
+        return attention, self.mlp(self.post_attention_layernorm(x + attention))
+
+    def forward(self, x, positions, valid, cache=None, carried_bias=None, rule="threshold"):
+        """Returns (x, token-choice bias after this layer or None for a dense layer)."""
+        if not self.sparse:
+            attention, mlp = self._attention_and_mlp(x, positions, valid, cache)
+            return x + attention + mlp, None
+        cfg = self.config
+        logits = self.router(x).squeeze(-1).float()  # [b, n]
+        carried = None if carried_bias is None else carried_bias.t()
+        decision = route(logits.t(), self.sparsity_k, rule, carried, cfg.token_choice_bias_tau)
+        bias = update_token_choice_bias(carried, decision.selected, cfg.token_choice_bias_increment).t()
+        if decision.topk_indices is not None:
+            indices, keep = decision.topk_indices, None
+        else:
+            indices, keep = padded_selection(decision.selected)
+            if indices is None:  # no token of this step is routed here: nothing to attend, nothing cached
+                return x, bias
+        indices = indices.t()  # [b, k]
+        keep = torch.ones_like(indices, dtype=torch.bool) if keep is None else keep.t()
+        routed = torch.gather(x, 1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        attention, mlp = self._attention_and_mlp(routed, torch.gather(positions, 1, indices),
+                                                 keep & torch.gather(valid, 1, indices), cache)
+        r = torch.sigmoid(torch.gather(decision.scores.t(), 1, indices)).to(x.dtype) * keep.to(x.dtype)
+        if cfg.routing_family == "xmod":  # Eq.(7): x + varsigma * r * (a + f)
+            update = (self.gate_scale * r).unsqueeze(-1) * (attention + mlp)
+        else:  # Eq.(6), MoD: x + a + r * f
+            update = keep.to(x.dtype).unsqueeze(-1) * (attention + r.unsqueeze(-1) * mlp)
+        return x.scatter_add(1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]), update), bias
+
+
+class XModPreTrainedModel(PreTrainedModel):
+    config_class = XModHFConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["XModDecoderLayer"]
+    supports_gradient_checkpointing = False
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model makes its own XModCache (generate must not hand it a DynamicCache)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, XModRMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, XModMoERouter):
+            module.weight.normal_(0.0, std)
+            for name, value in (("expert_bias", 0.0), ("dtopp_threshold", 0.25), ("dtopp_integral", 0.0),
+                                ("drn_scale", self.config.moe_routing_norm_theta)):
+                if getattr(module, name, None) is not None:
+                    getattr(module, name).fill_(value)
+        elif isinstance(module, XModDecoderLayer) and getattr(module, "gate_scale", None) is not None:
+            module.gate_scale.fill_(1.0)
+
+
+class XModModel(XModPreTrainedModel):
+    def __init__(self, config: XModHFConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(XModDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = XModRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                use_cache=None, routing_rule=None, **kwargs):
+        """Returns (hidden states after the final norm, cache or None)."""
+        cfg = self.config
+        cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        rule = routing_rule or cfg.routing_rule
+        if rule not in ("threshold", "topk"):
+            raise ValueError(f"routing_rule: {rule!r} is not one of threshold, topk")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, n = x.shape[:2]
+        use_cache = cfg.use_cache if use_cache is None else use_cache
+        if cache is not None and not isinstance(cache, XModCache):
+            if cache.get_seq_length() > 0:
+                raise ValueError(f"cache: a routed model needs its own XModCache, got a filled {type(cache).__name__}")
+            cache = None
+        if rule == "topk":
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError("routing_rule: topk ranks every token of a sequence at once, so it cannot decode "
+                                 "incrementally; generate with routing_rule='threshold'")
+            if attention_mask is not None and not bool(attention_mask.all()):
+                raise ValueError("routing_rule: topk ranks all tokens of each sequence, padding included; score "
+                                 "unpadded sequences or use routing_rule='threshold'")
+            cache, use_cache = None, False
+        if use_cache and cache is None:
+            cache = XModCache(cfg)
+        elif not use_cache:
+            cache = None
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError("attention_mask: a 2-D [batch, past + new tokens] padding mask is expected")
+            valid = attention_mask[:, -n:].bool()
+        else:
+            valid = torch.ones(b, n, dtype=torch.bool, device=x.device)
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -n:]
+            else:
+                position_ids = torch.arange(past, past + n, device=x.device).expand(b, n)
+        position_ids = position_ids.expand(b, n)
+        bias = None  # token-choice bias of this pass's tokens, from the sparse layer just run
+        for i, layer in enumerate(self.layers):
+            x, bias = layer(x, position_ids, valid, cache, bias if cfg.carries_bias(i) else None, rule)
+        if cache is not None:
+            cache.advance(n)
+        return self.norm(x), cache
+
+
+class XModForCausalLM(XModPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: XModHFConfig):
+        super().__init__(config)
+        self.model = XModModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, routing_rule=None, logits_to_keep=0, return_dict=None, **kwargs):
+        """``routing_rule``: "threshold" (default of the config; causal, what generation uses) or "topk"."""
+        cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        hidden, cache = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, routing_rule)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                                   ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
+
+    def sparse_cache_bytes(self, cache: XModCache) -> dict:
+        """Bytes held by ``cache`` (see :meth:`XModCache.nbytes`)."""
+        return cache.nbytes()
