@@ -1,0 +1,167 @@
+"""``xmod export-hf``: a megatron ``torch_dist`` checkpoint (any TP/PP/DP layout) -> a Hugging Face
+model folder, on one CPU process.
+
+    xmod export-hf --load runs/x/ckpt --output hf/x [--iteration N] [--dtype bf16|fp16|fp32]
+
+Writes ``config.json`` (``model_type`` "megatron_xmod" and the ``auto_map`` that lets
+``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` load it with transformers
+alone), the weights as safetensors (sharded above ``--max-shard-size`` with
+``model.safetensors.index.json``), ``generation_config.json``, the run's tokenizer
+(:mod:`megatron_xmod.hf.tokenizer_export`), the modeling files copied verbatim
+(``state_dict_adapter.EXPORTED_FILES``) and ``megatron_xmod_export.json`` (the source checkpoint,
+its iteration and the megatron arguments it was trained with, which ``xmod import-hf`` reads back).
+
+The model description comes from the checkpoint's own saved ``args``; the weights from megatron's
+dist-checkpointing (:mod:`megatron_xmod.hf.checkpoint_io`); the mapping from the adapter beside the
+HF model (:mod:`megatron_xmod.hf.state_dict_adapter`). A setting the HF model cannot reproduce is an
+error naming the field, raised before any tensor is read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EXPORT_INFO = "megatron_xmod_export.json"
+# Router state that decides routing by comparison with a threshold: kept in fp32 whatever --dtype says.
+FP32_SUFFIXES = ("mlp.router.dtopp_threshold", "mlp.router.dtopp_integral", "mlp.router.expert_bias")
+
+
+@dataclasses.dataclass
+class ExportResult:
+    output: Path
+    iteration: int
+    num_parameters: int
+    dtype: str
+    weight_files: list[str]
+    hf_config: object
+
+    def summary(self) -> str:
+        return (f"exported iteration {self.iteration}: {self.num_parameters:,} parameters ({self.dtype}) in "
+                f"{len(self.weight_files)} safetensors file(s) to {self.output}")
+
+
+# ---------------------------------------------------------------------------------------- args as JSON
+def args_to_json(args) -> dict:
+    """megatron's args namespace as JSON (dtypes and enums tagged, so :func:`args_from_json` restores them)."""
+    out = {}
+    for key, value in sorted(vars(args).items()):
+        if isinstance(value, torch.dtype):
+            out[key] = {"__dtype__": str(value).removeprefix("torch.")}
+        elif isinstance(value, enum.Enum):
+            out[key] = {"__enum__": f"{type(value).__module__}:{type(value).__qualname__}", "name": value.name}
+        else:
+            try:
+                json.dumps(value)
+            except TypeError:
+                continue  # callables and the like: not part of the model description
+            out[key] = value
+    return out
+
+
+def args_from_json(data: dict):
+    import argparse
+
+    def decode(value):
+        if isinstance(value, dict) and "__dtype__" in value:
+            return getattr(torch, value["__dtype__"])
+        if isinstance(value, dict) and "__enum__" in value:
+            module, name = value["__enum__"].split(":")
+            return getattr(importlib.import_module(module), name)[value["name"]]
+        return value
+
+    return argparse.Namespace(**{k: decode(v) for k, v in data.items()})
+
+
+# ---------------------------------------------------------------------------------------------- export
+def export_checkpoint(load, output, iteration: Optional[int] = None, dtype: Optional[str] = None,
+                      max_shard_size: str | int = "2GB", tokenizer_model=None, progress: bool = True) -> ExportResult:
+    """Export the checkpoint under ``load`` (latest iteration unless ``iteration``) into ``output``."""
+    from transformers import GenerationConfig
+
+    from megatron_xmod.hf.checkpoint_io import checkpoint_path, load_checkpoint, read_common, single_process_args
+    from megatron_xmod.hf.state_dict_adapter import AUTO_MAP, EXPORTED_FILES, hf_config_from_args, megatron_to_hf
+    from megatron_xmod.hf.tokenizer_export import build_tokenizer
+    from megatron_xmod.training.patches import cpu_patches
+
+    output = Path(output)
+    if output.exists() and any(output.iterdir()):
+        raise ValueError(f"output: {output} exists and is not empty; choose a new folder")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    # Everything that can refuse the export does so before the tensors are read.
+    path, _ = checkpoint_path(load, iteration)
+    with cpu_patches(training=False):
+        args = read_common(path)["args"]
+        hf_config = hf_config_from_args(single_process_args(args))
+    tokenizer = build_tokenizer(args, tokenizer_model)
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ValueError(f"vocab_size: the tokenizer has {len(tokenizer)} tokens but the model only "
+                         f"{hf_config.vocab_size} embedding rows")
+    if dtype is None:
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(getattr(args, "params_dtype", None), "fp32")
+
+    bar = _progress(progress, total=3, desc="export-hf")
+    checkpoint = load_checkpoint(load, iteration)
+    bar.update(1)
+    bar.set_postfix_str("mapping")
+    hf_state = megatron_to_hf(checkpoint.state_dict, hf_config)
+    hf_state = {k: v.to(torch.float32 if k.endswith(FP32_SUFFIXES) else DTYPES[dtype]).contiguous()
+                for k, v in hf_state.items()}
+    bar.update(1)
+    bar.set_postfix_str("writing")
+    output.mkdir(parents=True, exist_ok=True)
+    weight_files = write_safetensors(hf_state, output, max_shard_size, progress)
+    hf_config.auto_map = dict(AUTO_MAP)
+    hf_config.architectures = [AUTO_MAP["AutoModelForCausalLM"].split(".")[-1]]
+    hf_config.dtype = str(DTYPES[dtype]).removeprefix("torch.")
+    hf_config.save_pretrained(str(output))
+    tokenizer.save_pretrained(str(output))
+    eos = tokenizer.eos_token_id
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos,
+                     eos_token_id=eos, pad_token_id=eos).save_pretrained(str(output))
+    for name, source in EXPORTED_FILES.items():
+        shutil.copyfile(source, output / name)
+    info = {"source": str(checkpoint.path.resolve()), "iteration": checkpoint.iteration, "dtype": dtype,
+            "megatron_args": args_to_json(checkpoint.args)}
+    (output / EXPORT_INFO).write_text(json.dumps(info, indent=1, sort_keys=True))
+    bar.update(1)
+    bar.close()
+    params = sum(v.numel() for k, v in hf_state.items() if not k.endswith(FP32_SUFFIXES))
+    return ExportResult(output=output, iteration=checkpoint.iteration, num_parameters=params, dtype=dtype,
+                        weight_files=weight_files, hf_config=hf_config)
+
+
+def write_safetensors(state: dict, output: Path, max_shard_size: str | int, progress: bool = True) -> list[str]:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
+    above ``max_shard_size`` (transformers' own naming, via huggingface_hub's splitter)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+    files = sorted(split.filename_to_tensors)
+    for name in _progress(progress, iterable=files, desc="safetensors", leave=False):
+        save_file({k: state[k] for k in split.filename_to_tensors[name]}, str(output / name), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
+                 "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return files
+
+
+def _progress(enabled: bool, **kwargs):
+    from tqdm.auto import tqdm
+
+    return tqdm(disable=not enabled, **kwargs)
+
+
+def read_export_info(folder) -> Optional[dict]:
+    path = Path(folder) / EXPORT_INFO
+    return json.loads(path.read_text()) if path.is_file() else None
