@@ -25,8 +25,6 @@ import warnings
 from typing import Optional
 
 from megatron_xmod.training import patches
-from megatron_xmod.training.flags import expand_arguments
-from megatron_xmod.training.preflight import validate_before_training
 
 PROG = "python -m megatron_xmod.pretrain"
 # Any of these means a launcher (torchrun, torch.distributed.run, srun with several tasks) set the run up.
@@ -34,18 +32,20 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 # Warnings a CPU-only machine always gets and can do nothing about (TE/Apex/CUDA are GPU libraries).
 CPU_ONLY_WARNINGS = (r".*Transformer Engine and Apex are not installed.*", r".*Apex is not installed.*",
                      r".*transformer-engine>=.*", r".*TransformerEngine.*", r".*CUDA.*not available.*",
-                     r".*No CUDA runtime.*", r".*torch\.cuda.*")
+                     r".*No CUDA runtime.*", r".*torch\.cuda.*", r".*no accelerator is found.*")
 
 
 # ----------------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if patches.cpu_mode():  # before anything imports megatron, which warns at import time
+        quiet_cpu_only_warnings()
     if "-h" in argv or "--help" in argv:
         print_help()
         return
     single_process_defaults()
-    if patches.cpu_mode():
-        quiet_cpu_only_warnings()
+    from megatron_xmod.training.flags import expand_arguments
+
     with patches.cpu_patches(training=True):
         _pretrain(expand_arguments(argv))
 
@@ -58,10 +58,12 @@ def _pretrain(argv: list[str]) -> None:
 
     from megatron_xmod.training.hooks import xmod_train_hooks
     from megatron_xmod.training.log import startup_summary
+    from megatron_xmod.training.preflight import validate_before_training
 
     sys.argv = [sys.argv[0]] + argv
     hooks = xmod_train_hooks()
     patches.skip_dataset_helper_build()
+    patches.checks_before_tokenizer()
     with megatron_argument_dump() as dump:
         args = parse_and_validate_args(extra_args_provider=hooks.extra_args_provider)
     validate_before_training(args)
@@ -71,6 +73,7 @@ def _pretrain(argv: list[str]) -> None:
     patches.call_after_training_log(hooks.after_training_log)
     patches.iteration_to_routing_state()
     patches.validation_from_the_start()
+    patches.checkpoint_integrity()
     hooks.install_evaluation_log()
     config_container = pretrain_cfg_container_from_args(args, None)
     pretrain(config_container, hooks.datasets_provider, ModelType.encoder_or_decoder, hooks.forward_step,
@@ -108,8 +111,7 @@ def _escape_broken_help(parser: argparse.ArgumentParser) -> None:
 
 
 def print_help() -> None:
-    with patches.cpu_patches(training=False), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with patches.cpu_patches(training=False):
         build_parser().print_help()
 
 

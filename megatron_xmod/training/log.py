@@ -1,4 +1,5 @@
-"""Routing and compute scalars in megatron's own training log (console and tensorboard).
+"""Routing and compute scalars in megatron's own training log (console and tensorboard), and the
+start-up summary. Every metric is defined, with its random reference, in docs/metrics.md.
 
 megatron's ``training_log`` prints and writes the loss dictionary; the per-layer routing statistics
 and the FLOP accounting are not losses, so :class:`RoutingLog` logs them right after it (patch 13 of
@@ -6,22 +7,29 @@ and the FLOP accounting are not losses, so :class:`RoutingLog` logs them right a
 read them; see docs/scaling.md):
 
 - ``tokens seen``, ``training flops`` (cumulative, 3 x forward), ``forward flops per token``,
-  ``D over D_dense`` (tokens at equal compute vs the Dense model of the same backbone);
+  ``D over D_dense`` (tokens at equal compute vs the Dense model of the same activated depth),
+  ``tokens per second``;
+- ``lm loss vs training MFLOPs`` and ``lm loss validation vs training MFLOPs``: the losses megatron
+  writes, again with the training FLOPs / 1e6 as the step (tensorboard steps are 64-bit integers);
 - ``routing/<metric>`` (mean over the recorders' layers) and ``routing/<metric>/layer_<n>``: the
-  sparse layers' selected_fraction, coverage, adjacent_jaccard, router_bce_loss (eval_* under
-  validation) and the DTop-p router's metrics.
+  sparse layers' selected_fraction, coverage, adjacent_jaccard, router_bce_loss and the DTop-p
+  router's metrics, over the steps since the last log line;
+- ``routing/eval_<metric>`` (and per layer): the same statistics of each validation, written at the
+  iteration of that validation (the last one included) by :meth:`RoutingLog.evaluation`, with
+  ``routing/eval_<metric> random`` beside them (what routing blind to the tokens would give).
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Optional
 
 import torch
 
-from megatron_xmod.accounting import ModelCount, count
-from megatron_xmod.layout import parse_layout
+from megatron_xmod.accounting import ModelCount, count, dense_reference
+from megatron_xmod.layout import Layout, parse_layout
 from megatron_xmod.presets import Backbone, ModelDescription
-from megatron_xmod.routing_state import report
+from megatron_xmod.routing_state import per_layer, report, routing_states
 
 
 def describe_from_args(args) -> Optional[ModelDescription]:
@@ -65,6 +73,157 @@ def metric_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys(XModSparseLayer.ROUTING_METRICS + DTopPRouter.ROUTING_METRICS))
 
 
+def layout_from_args(args) -> Layout:
+    if args.xmod_layout:
+        return parse_layout(args.xmod_layout, args.xmod_routing_family)
+    return parse_layout(f"D*{args.num_layers}")
+
+
+# ----------------------------------------------------------------------------- random references
+def random_reference(layout: Layout, metric: str, layer_number: int) -> Optional[float]:
+    """What routing blind to the tokens would give at megatron layer ``layer_number`` (1-based):
+    a random 1/K of the tokens per sparse layer, independently per layer (docs/metrics.md)."""
+    if not 1 <= layer_number <= layout.num_layers:
+        return None
+    layer = layout.layers[layer_number - 1]
+    if not layer.is_sparse:
+        return None
+    p = 1.0 / layer.sparsity_k
+    name = metric.removeprefix("eval_")
+    if name == "selected_fraction":
+        return p
+    if name == "coverage":  # routed by at least one of the block's sparse layers so far
+        return 1.0 - (1.0 - p) ** (layer.index_in_block + 1)
+    if name == "adjacent_jaccard":  # |a & b| / |a | b| of two independent random p-subsets
+        return p / (2.0 - p)
+    return None
+
+
+def mean_reference(layout: Layout, metric: str, layers: dict[int, float]) -> Optional[float]:
+    """The reference averaged over the same layers as the reported mean of ``metric``."""
+    refs = [random_reference(layout, metric, n) for n in layers]
+    refs = [r for r in refs if r is not None]
+    return sum(refs) / len(refs) if refs and len(refs) == len(layers) else None
+
+
+# ----------------------------------------------------------------------------- start-up summary
+def layer_map(layout: Layout) -> list[str]:
+    """megatron layer numbers (1-based) -> layout positions, runs of alike layers merged."""
+    runs: list[list] = []  # [first, last, key]
+    for number, layer in enumerate(layout.layers, 1):
+        key = (layer.kind, layer.block, layer.sparsity_k)
+        if runs and runs[-1][2] == key and runs[-1][1] == number - 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number, key])
+    out = []
+    for first, last, (kind, block, k) in runs:
+        span = f"{first}" if first == last else f"{first}-{last}"
+        if kind == "sparse":
+            start = layout.layers[first - 1].index_in_block + 1
+            end = layout.layers[last - 1].index_in_block + 1
+            where = f"#{start}" if start == end else f"#{start}-#{end}"
+            out.append(f"{span} sparse K={k} (block {block + 1}, {where})")
+        elif kind == "anchor":
+            out.append(f"{span} anchor (block {block + 1})")
+        else:
+            out.append(f"{span} dense")
+    return out
+
+
+def _wrap(items: list[str], width: int = 96, indent: str = " " * 13) -> str:
+    lines, line = [], ""
+    for item in items:
+        candidate = f"{line} | {item}" if line else item
+        if line and len(candidate) > width:
+            lines.append(line)
+            candidate = item
+        line = candidate
+    lines.append(line)
+    return ("\n" + indent).join(lines)
+
+
+def _fmt_count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _data_in_use(args) -> str:
+    if args.mock_data:
+        return "mock data (megatron's MockGPTDataset)"
+    parts = []
+    if args.data_path:
+        parts.append(f"--data-path {' '.join(args.data_path)} (split {args.split})")
+    for name in ("train", "valid", "test"):
+        paths = getattr(args, f"{name}_data_path", None)
+        if paths:
+            parts.append(f"{name}: {' '.join(paths)}")
+    return "; ".join(parts) or "per-split data arguments file"
+
+
+def startup_summary(args, argument_dump: str = "") -> str:
+    """One block, printed by rank 0 before training: what will be trained, on what, for how long."""
+    layout = layout_from_args(args)
+    description = describe_from_args(args)
+    tokens_per_step = args.global_batch_size * args.seq_length
+    lines = ["=" * 30 + " megatron_xmod run " + "=" * 30]
+    family = {"dense": "Dense", "mod": "MoD", "xmod": "X-MoD"}.get(layout.family, layout.family)
+    if getattr(args, "num_experts", None):
+        family += f" + MoE ({args.num_experts} experts, router {getattr(args, 'moe_router_type', None) or 'topk'})"
+    lines.append(f"model      {family}: {layout.notation} ({layout.num_layers} layers, {layout.num_sparse_layers} "
+                 f"sparse; activated depth {float(layout.activated_depth):g})")
+    lines.append("layers     " + _wrap(layer_map(layout)))
+    lines.append(f"width      hidden {args.hidden_size}, {args.num_attention_heads} heads x {args.kv_channels}, "
+                 f"{args.num_query_groups if args.group_query_attention else args.num_attention_heads} query groups, "
+                 f"ffn {args.ffn_hidden_size}, vocabulary {args.padded_vocab_size} (padded)")
+    counted = None if description is None else count(description, args.seq_length)
+    if counted is None:
+        lines.append("size       not counted (a fixed-threshold expert router has no set number of active experts)")
+    else:
+        lines.append(f"size       N = {_fmt_count(counted.total_params)}, N_act = {_fmt_count(counted.active_params)} "
+                     f"(embeddings included), forward FLOPs/token {counted.flops_per_token:.4g} (no LM head, "
+                     f"attention at L = {args.seq_length})")
+        try:
+            reference = dense_reference(layout).notation
+            lines.append(f"compute    phi/phi_D = {counted.flops_ratio_vs_dense:.3f}, D/D_D = "
+                         f"{counted.tokens_ratio_vs_dense:.3f} (vs the dense {reference} of the same activated "
+                         "depth: tokens trained at equal FLOPs)")
+        except ValueError as error:
+            lines.append(f"compute    no dense reference: {error}")
+    if args.train_iters:
+        total = args.train_iters * tokens_per_step
+        flops = f", {3 * counted.flops_per_token * total:.3g} training FLOPs" if counted else ""
+        lines.append(f"schedule   {args.train_iters} iterations x {args.global_batch_size} sequences x "
+                     f"{args.seq_length} tokens = {tokens_per_step:,} tokens per step, {total:,} tokens{flops}")
+    else:
+        lines.append(f"schedule   {args.train_samples} samples; {tokens_per_step:,} tokens per step")
+    lines.append(f"validation every {args.eval_interval} iterations, {args.eval_iters} batches, routing rule "
+                 f"{args.xmod_eval_routing}")
+    lines.append(f"data       {_data_in_use(args)}")
+    tokenizer = args.tokenizer_type + (f" {args.tokenizer_model}" if getattr(args, "tokenizer_model", None) else "")
+    lines.append(f"tokenizer  {tokenizer} (vocabulary {args.padded_vocab_size} after padding)")
+    lines.append(f"parallel   world {args.world_size} = data {args.data_parallel_size} x tensor "
+                 f"{args.tensor_model_parallel_size} x pipeline {args.pipeline_model_parallel_size}")
+    outputs = [f"checkpoints {args.save}" if args.save else "no checkpoints (--save)",
+               f"tensorboard {args.tensorboard_dir}" if args.tensorboard_dir else "no tensorboard (--tensorboard-dir)"]
+    if args.load:
+        outputs.append(f"resumes from {args.load}")
+    lines.append("outputs    " + "; ".join(outputs))
+    if argument_dump:
+        lines.append(f"megatron's argument list: {argument_dump}")
+    lines.append("metrics    defined in docs/metrics.md")
+    lines.append("=" * 79)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the log
+def _eta(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+MEGA = 1e6
+
+
 @dataclasses.dataclass
 class RoutingLog:
     """Logs one run's routing statistics and compute; ``model_chunks`` are this rank's built chunks."""
@@ -72,25 +231,68 @@ class RoutingLog:
     model_chunks: list = dataclasses.field(default_factory=list)
     accounting: Optional[ModelCount] = None  # computed once, at the first log; None when uncountable
     _counted: bool = False
+    _clock: Optional[tuple[float, int, int]] = None  # (time, iteration, tokens) at the last log line
+    _paused: float = 0.0  # seconds spent in validation since the last log line
+    _watched: object = None  # the tensorboard writer whose losses are mirrored against FLOPs
+
+    def setup(self, args) -> None:
+        """Count the model once and mirror the writer's losses against FLOPs (from the first model
+        chunk built on, so that iteration 1 is mirrored too)."""
+        if not self._counted:
+            description = describe_from_args(args)
+            self.accounting = None if description is None else count(description, args.seq_length)
+            self._counted = True
+        from megatron.training import get_tensorboard_writer
+
+        writer = get_tensorboard_writer()
+        if writer is not None and self._watched is not writer:
+            self._watch(writer, args)
+
+    def training_flops(self, args) -> Optional[float]:
+        if self.accounting is None:
+            return None
+        return 3.0 * self.accounting.flops_per_token * args.consumed_train_samples * args.seq_length
+
+    def _watch(self, writer, args) -> None:
+        """megatron writes ``lm loss`` (and its validation) itself; write it again against the training
+        FLOPs (in MFLOPs: tensorboard steps are 64-bit integers), for compute-matched comparisons."""
+        add_scalar = writer.add_scalar
+        log = self
+
+        def add_scalar_and_flops(tag, value, global_step=None, *rest, **kwargs):
+            add_scalar(tag, value, global_step, *rest, **kwargs)
+            if tag in ("lm loss", "lm loss validation"):
+                flops = log.training_flops(args)
+                if flops is not None:
+                    add_scalar(f"{tag} vs training MFLOPs", value, int(round(flops / MEGA)))
+
+        writer.add_scalar = add_scalar_and_flops
+        self._watched = writer
 
     def __call__(self, iteration: int) -> dict[str, float]:
         from megatron.training import get_args, get_tensorboard_writer, print_rank_last
 
         args = get_args()
+        self.setup(args)
         if iteration % args.log_interval:
             return {}
-        if not self._counted:
-            description = describe_from_args(args)
-            self.accounting = None if description is None else count(description, args.seq_length)
-            self._counted = True
         tokens = args.consumed_train_samples * args.seq_length
         scalars = {"tokens seen": float(tokens)}
         if self.accounting is not None:
-            scalars.update({
-                "training flops": 3.0 * self.accounting.flops_per_token * tokens,
-                "forward flops per token": self.accounting.flops_per_token,
-                "D over D_dense": self.accounting.tokens_ratio_vs_dense,
-            })
+            scalars["training flops"] = self.training_flops(args)
+            scalars["forward flops per token"] = self.accounting.flops_per_token
+            if self.accounting.tokens_ratio_vs_dense == self.accounting.tokens_ratio_vs_dense:  # not NaN
+                scalars["D over D_dense"] = self.accounting.tokens_ratio_vs_dense
+        now = time.time()
+        speed = eta = None
+        if self._clock is not None and iteration > self._clock[1]:
+            then, last_iteration, last_tokens = self._clock
+            seconds = max(1e-9, now - then - self._paused)
+            speed = (tokens - last_tokens) / seconds
+            scalars["tokens per second"] = speed
+            if args.train_iters:
+                eta = (args.train_iters - iteration) * seconds / (iteration - last_iteration)
+        self._clock, self._paused = (now, iteration, tokens), 0.0
         names = metric_names()
         world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
         routing = report(self.model_chunks, names=names, num_layers=args.num_layers, group=world)
@@ -99,8 +301,61 @@ class RoutingLog:
         if writer is not None:
             for tag, value in scalars.items():
                 writer.add_scalar(tag, value, iteration)
-        summary = " | ".join(f"{name}: {scalars[name]:.4g}" for name in
-                             ("tokens seen", "training flops", "forward flops per token", "D over D_dense") if name in scalars)
-        means = " | ".join(f"{name}: {routing[name]:.4f}" for name in names if name in routing)
-        print_rank_last(f" [xmod] iteration {iteration:8d} | {summary}" + (f" | {means}" if means else ""))
+        parts = []
+        if speed is not None:
+            parts.append(f"tokens/s: {speed:,.0f}")
+        if eta is not None:
+            parts.append(f"ETA: {_eta(eta)}")
+        parts += [f"{name}: {scalars[name]:.4g}" for name in ("tokens seen", "training flops", "D over D_dense")
+                  if name in scalars]
+        # Under top-k training the selected fraction is 1/K by construction: it is in tensorboard only.
+        parts += [f"{name}: {routing[name]:.4f}" for name in names
+                  if name in routing and name != "selected_fraction" and not name.startswith("eval_")]
+        print_rank_last(f" [xmod] iteration {iteration:8d} | " + " | ".join(parts))
         return scalars
+
+    # ------------------------------------------------------------------------- validation
+    def evaluation(self, iteration: int, write_to_tensorboard: bool, seconds: float = 0.0) -> dict[str, float]:
+        """After each of megatron's validations (every rank): the evaluation routing statistics of
+        that validation, on the console and, at ``iteration``, in tensorboard."""
+        from megatron.training import get_args, get_tensorboard_writer, print_rank_last
+
+        args = get_args()
+        self.setup(args)
+        self._paused += seconds
+        names = tuple(n for n in metric_names() if n.startswith("eval_"))
+        world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        layers = per_layer(self.model_chunks, names=names, num_layers=args.num_layers, group=world)
+        reset_metrics(self.model_chunks, names)
+        layout = layout_from_args(args)
+        scalars: dict[str, float] = {}
+        parts = []
+        for name in names:
+            if not layers.get(name):
+                continue
+            values = layers[name]
+            mean = sum(values.values()) / len(values)
+            scalars[f"routing/{name}"] = mean
+            scalars.update({f"routing/{name}/layer_{n:03d}": v for n, v in values.items()})
+            reference = mean_reference(layout, name, values)
+            label = name.removeprefix("eval_").replace("_", " ")
+            if reference is not None:
+                scalars[f"routing/{name} random"] = reference
+                what = "1/K" if name == "eval_selected_fraction" else "random"
+                parts.append(f"{label}: {mean:.4f} ({what}: {reference:.4f})")
+            else:
+                parts.append(f"{label}: {mean:.4f}")
+        writer = get_tensorboard_writer()
+        if writer is not None and write_to_tensorboard:
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, iteration)
+        if parts:
+            print_rank_last(f" [xmod] validation routing at iteration {iteration} ({args.xmod_eval_routing} rule) | "
+                            + " | ".join(parts))
+        return scalars
+
+
+def reset_metrics(model_chunks, names) -> None:
+    """Forget the interval statistics of ``names`` only (the training interval's stay for the log)."""
+    for state in routing_states(model_chunks):
+        state.forget(names)
