@@ -8,6 +8,7 @@ import sys
 # Modules that provide ``register(subparsers)``; one line per feature.
 COMMAND_MODULES = (
     "megatron_xmod.count_cli",
+    "megatron_xmod.ckpt_cli",
     "megatron_xmod.data.preprocess",
     "megatron_xmod.scaling.cli",
     "megatron_xmod.demo",

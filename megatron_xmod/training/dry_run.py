@@ -7,9 +7,10 @@ Takes exactly the arguments of ``python -m megatron_xmod.pretrain``, expands the
 ``megatron.training.arguments.parse_and_validate_args`` (``validate_args`` reads the world size from
 ``WORLD_SIZE``; this process plays rank 0 and starts nothing distributed), then
 ``megatron_xmod.training.preflight.validate_before_training`` (the XModConfig / MoEConfig build, sequence
-length against K, data paths and the split). Prints data-parallel size, TP, PP, the global batch
-(sequences per step) and the iterations; exits 1 with megatron's (or our) message when the run
-would fail, 0 otherwise. The slurm launchers run it before ``srun`` (and alone with ``DRY_RUN=1``).
+length against K, the data files, splits and token ids, the tokenizer files, the output directories,
+the ``--load`` tracker). Prints data-parallel size, TP, PP, the global batch (sequences per step) and
+the iterations; exits 2 with our message for a wrong input (file, flag), 1 with megatron's when its
+validation refuses the run, 0 otherwise. The slurm launchers run it before ``srun`` (and alone with ``DRY_RUN=1``).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def validate(argv: list[str]):
         from megatron.training.arguments import parse_and_validate_args
 
         patches.no_log_writers()
+        patches.checks_before_tokenizer()
         saved = sys.argv
         sys.argv = [saved[0] if saved else "dry_run"] + expanded
         log = io.StringIO()  # megatron prints every argument; shown only with XMOD_DRY_RUN_VERBOSE=1
@@ -71,7 +73,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         code = exit_.code if isinstance(exit_.code, int) else 1
         print(f"[dry-run] FAILED: megatron's argument parser rejected the command line (exit {code})", file=sys.stderr)
         return code or 1
-    except (AssertionError, ValueError, FileNotFoundError, RuntimeError, TypeError) as error:
+    except (ValueError, FileNotFoundError) as error:  # ours (and megatron's ValueErrors): the input is wrong
+        print(f"[dry-run] FAILED ({type(error).__name__}): {error}", file=sys.stderr)
+        return 2
+    except (AssertionError, RuntimeError, TypeError) as error:
         kind = "megatron" if isinstance(error, AssertionError) else type(error).__name__
         print(f"[dry-run] FAILED ({kind}): {error}", file=sys.stderr)
         return 1

@@ -13,6 +13,11 @@ Each patch names the megatron line it targets (paths relative to ``megatron/core
 - 14, :func:`no_log_writers` (the dry run only): validation that writes nothing.
 - 15, :func:`iteration_to_routing_state` (every device): the token-choice bias warm-up's clock.
 - 16, :func:`validation_from_the_start` (every device): every validation scores the same sequences.
+- 17, :func:`checkpoint_integrity` (every device): no save of non-finite weights, a checksum manifest
+  after each save, verification before each load (:mod:`megatron_xmod.training.checkpoints`), and a
+  message instead of a TypeError when megatron's exit path asks for a save without ``--save``.
+- 19, :func:`checks_before_tokenizer` (every device): tokenizer files and output directories checked
+  before megatron builds the tokenizer (no model-hub look-up) and the log writers.
 """
 from __future__ import annotations
 
@@ -324,3 +329,85 @@ def validation_from_the_start() -> None:
     training.build_train_valid_test_data_loaders = build_train_valid_test_data_loaders
     training.build_train_valid_test_data_iterators = build_train_valid_test_data_iterators
     training.evaluate = evaluate_from_the_start
+
+
+def checkpoint_integrity() -> None:
+    """17. training/training.py:138-142 import ``save_checkpoint`` / ``load_checkpoint`` from
+    training/checkpointing.py (save at training.py:2181/2273/3086, load at training.py:2199). Wrap
+    both names in training.py (see :mod:`megatron_xmod.training.checkpoints`):
+
+    - save: refuse non-finite weights (every rank, before megatron writes anything); after megatron's
+      save (tracker written), the checksum manifest. With ``--async-save`` the files are not complete
+      when megatron returns, so no manifest is written (a warning says so). training.py:3871 saves on
+      the NaN/rerun exit path even without ``--save`` (``os.path.join(None, ...)``: TypeError); here
+      that is a message and megatron's own non-zero exit code follows.
+    - load: verify the iteration the tracker (or ``--ckpt-step``) names before megatron reads it.
+    Installed once per process."""
+    import megatron.training.training as training
+
+    from megatron_xmod.training import checkpoints
+
+    if getattr(training.save_checkpoint, "_xmod_integrity", False):
+        return
+    save, load = training.save_checkpoint, training.load_checkpoint
+    save_signature = inspect.signature(save)
+
+    @functools.wraps(save)
+    def save_checkpoint(*args, **kwargs):
+        from megatron.training import get_args, print_rank_0
+
+        run_args = get_args()
+        bound = save_signature.bind(*args, **kwargs).arguments
+        iteration, release = bound["iteration"], bool(bound.get("release", False))
+        if run_args.save is None:
+            print_rank_0(f"[xmod] no checkpoint written at iteration {iteration}: megatron asked for one on its exit "
+                         "path (after a NaN/Inf or a failed result validation; see the messages above) but the run "
+                         "has no --save; pass --save DIR to keep the state for a diagnostic resume")
+            return None
+        model = bound["model"]
+        checkpoints.check_finite_before_save(model if isinstance(model, (list, tuple)) else [model], iteration)
+        result = save(*args, **kwargs)
+        if bound.get("non_persistent_ckpt", False):
+            return result
+        if run_args.async_save:
+            print_rank_0(f"[xmod] WARNING: --async-save: no checksum manifest for iteration {iteration}")
+            return result
+        checkpoints.manifest_after_save(run_args.save, iteration, release)
+        return result
+
+    @functools.wraps(load)
+    def load_checkpoint(*args, **kwargs):
+        from megatron.training import get_args
+
+        run_args = get_args()
+        load_arg = kwargs.get("load_arg", "load")
+        load_dir = getattr(run_args, load_arg, None)
+        if load_dir is not None and not getattr(run_args, "non_persistent_ckpt_type", None):
+            checkpoints.verify_before_load(load_dir, getattr(run_args, "ckpt_step", None))
+        return load(*args, **kwargs)
+
+    save_checkpoint._xmod_integrity = True
+    training.save_checkpoint, training.load_checkpoint = save_checkpoint, load_checkpoint
+
+
+def checks_before_tokenizer() -> None:
+    """19. training/global_vars.py:138 ``_build_tokenizer`` (inside ``parse_and_validate_args``) calls
+    ``build_tokenizer(args)`` (global_vars.py:200), then creates the tensorboard/wandb writers: run
+    :func:`megatron_xmod.training.preflight.check_before_megatron_setup` first, so a missing or bad
+    tokenizer file, or an unwritable ``--save``/``--tensorboard-dir``, is named before anything is
+    built or fetched. Installed once per process."""
+    import megatron.training.global_vars as global_vars
+
+    from megatron_xmod.training.preflight import check_before_megatron_setup
+
+    build = global_vars.build_tokenizer
+    if getattr(build, "_xmod_checked", False):
+        return
+
+    @functools.wraps(build)
+    def build_tokenizer(args, *rest, **kwargs):
+        check_before_megatron_setup(args)
+        return build(args, *rest, **kwargs)
+
+    build_tokenizer._xmod_checked = True
+    global_vars.build_tokenizer = build_tokenizer
