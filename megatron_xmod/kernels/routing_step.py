@@ -1,11 +1,12 @@
-"""The training routing step of one sparse layer, fused: router logits, bias adjustment (Eq.8),
-top-k with the routed tokens in position order, the bias update, and the gate r = sigmoid(score).
+"""The training routing step of one sparse layer, fused: bias adjustment (Eq.8), top-k with the
+routed tokens in position order, the bias update, and the gate r = sigmoid(score) of the routed
+tokens, from the router logits the layer computed.
 
 ``routing_step`` returns the same tensors whichever backend runs it:
 
 - ``torch``: :func:`routing_step_torch`, composed from :mod:`megatron_xmod.routing` (the rules'
-  one definition; ~20 framework ops forward);
-- ``triton``: :mod:`megatron_xmod.kernels.triton_routing` (two launches forward, one backward),
+  one definition);
+- ``triton``: :mod:`megatron_xmod.kernels.triton_routing` (one launch forward, one backward),
   tested against the torch path. It has no host synchronisation and only static shapes
   (k = L/K), so it can be captured in a CUDA graph.
 
@@ -33,7 +34,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from megatron_xmod.routing import route, topk_count, update_token_choice_bias
+from megatron_xmod.routing import RoutingDecision, route, topk_count, update_token_choice_bias
 
 logger = logging.getLogger("megatron_xmod.kernels")
 
@@ -46,64 +47,52 @@ _triton_error: Optional[str] = None
 
 
 class RoutingStep(NamedTuple):
-    indices: Optional[torch.Tensor]  # [k, b] int64, routed positions in ascending order (top-k only)
-    selected: torch.Tensor  # [s, b] bool
-    scores: torch.Tensor  # [s, b] fp32 bias-adjusted logits s - tau*b (differentiable)
-    gate: Optional[torch.Tensor]  # [k, b] fp32 sigmoid(score) of the routed tokens (differentiable)
+    decision: RoutingDecision  # selected [s, b] bool, scores [s, b] fp32 (differentiable), topk_indices [k, b]
     bias: torch.Tensor  # [s, b] fp32 token-choice bias after this layer (b + increment * selected)
+    gate: Optional[torch.Tensor]  # [k, b] fp32 sigmoid(score) of the top-k tokens (differentiable); None for threshold
 
 
-def routing_step_torch(hidden_states, router: torch.nn.Linear, sparsity_k: int, rule: str,
-                       carried_bias: Optional[torch.Tensor], tau: float, increment: float) -> RoutingStep:
+def routing_step_torch(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias: Optional[torch.Tensor],
+                       tau: float, increment: float) -> RoutingStep:
     """The reference: the rules of :mod:`megatron_xmod.routing`, op by op."""
-    logits = router(hidden_states).squeeze(-1).float()  # [s, b]
     decision = route(logits, sparsity_k, rule, carried_bias, tau)
     bias = update_token_choice_bias(carried_bias, decision.selected, increment)
     gate = None
     if decision.topk_indices is not None:
         gate = torch.sigmoid(torch.gather(decision.scores, 0, decision.topk_indices))
-    return RoutingStep(decision.topk_indices, decision.selected, decision.scores, gate, bias)
+    return RoutingStep(decision, bias, gate)
 
 
-def routing_step(hidden_states: torch.Tensor, router: torch.nn.Linear, sparsity_k: int, rule: str,
-                 carried_bias: Optional[torch.Tensor] = None, tau: float = 0.0, increment: float = 1.0, *,
-                 backend: Optional[str] = None) -> RoutingStep:
-    """Route ``hidden_states`` [s, b, h] with ``router`` (Linear(h, 1)); see the module docstring."""
-    name = "torch" if rule != "topk" else _select(backend, hidden_states)
+def routing_step(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias: Optional[torch.Tensor] = None,
+                 tau: float = 0.0, increment: float = 1.0, *, backend: Optional[str] = None) -> RoutingStep:
+    """Route one sparse layer from its router logits [s, b] (fp32); see the module docstring."""
+    name = "torch" if rule != "topk" else _select(backend, logits)
     launch_counts[name] += 1
     if name == "torch":
-        return routing_step_torch(hidden_states, router, sparsity_k, rule, carried_bias, tau, increment)
-    k = topk_count(hidden_states.shape[0], sparsity_k)
+        return routing_step_torch(logits, sparsity_k, rule, carried_bias, tau, increment)
+    k = topk_count(logits.shape[0], sparsity_k)
     carried = None if carried_bias is None else carried_bias.detach().float().contiguous()
-    with torch.profiler.record_function("triton::routing_step"):
-        indices, selected, scores, gate, bias, _ = _FusedRoutingStep.apply(
-            hidden_states, router.weight, router.bias, carried, float(tau), k, float(increment), _triton())
-    return RoutingStep(indices, selected, scores, gate, bias)
+    indices, selected, scores, gate, bias, _ = _FusedRoutingStep.apply(
+        logits.float().contiguous(), carried, float(tau), k, float(increment), _triton())
+    return RoutingStep(RoutingDecision(selected, scores, indices), bias, gate)
 
 
 class _FusedRoutingStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, w0, carried, tau, k, increment, ops):
-        x = x.contiguous()
-        w = weight.reshape(-1).contiguous()
-        w0 = w0.reshape(1) if w0 is not None else torch.zeros(1, dtype=w.dtype, device=w.device)
-        indices, selected, scores, gate, bias, slot = ops.forward(x, w, w0, carried, tau, k, increment)
-        ctx.ops, ctx.has_w0 = ops, weight is not None
-        ctx.save_for_backward(x, w, gate, slot)
+    def forward(ctx, logits, carried, tau, k, increment, ops):
+        indices, selected, scores, gate, bias, slot = ops.forward(logits, carried, tau, k, increment)
+        ctx.ops = ops
+        ctx.save_for_backward(gate, slot)
         ctx.mark_non_differentiable(indices, selected, bias, slot)
         return indices, selected, scores, gate, bias, slot
 
     @staticmethod
     @once_differentiable
     def backward(ctx, _gi, _gs, dscores, dgate, _gb, _gslot):
-        x, w, gate, slot = ctx.saved_tensors
-        need_dx, need_w, need_w0 = ctx.needs_input_grad[:3]
-        dx, dw, dw0 = ctx.ops.backward(
-            x, w, None if dscores is None else dscores.contiguous(), None if dgate is None else dgate.contiguous(),
-            gate, slot, need_dx, need_w or need_w0)
-        dw = dw.view(1, -1).to(w.dtype) if need_w else None
-        dw0 = dw0.to(w.dtype) if need_w0 else None
-        return dx, dw, dw0, None, None, None, None, None
+        gate, slot = ctx.saved_tensors
+        dlogits = ctx.ops.backward(None if dscores is None else dscores.float().contiguous(),
+                                   None if dgate is None else dgate.float().contiguous(), gate, slot)
+        return dlogits, None, None, None, None, None
 
 
 def _interpreting() -> bool:
@@ -124,7 +113,7 @@ def _triton():
 
 def _triton_unavailable(x: torch.Tensor) -> Optional[str]:
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"the triton routing step supports float32/float16/bfloat16, not {x.dtype}"
+        return f"the triton routing step takes float32/float16/bfloat16 logits, not {x.dtype}"
     if x.device.type != "cuda" and not _interpreting():
         return f"triton needs CUDA tensors (these are on {x.device}) or TRITON_INTERPRET=1"
     if _triton() is None:
