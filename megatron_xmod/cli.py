@@ -12,6 +12,7 @@ COMMAND_MODULES = (
     "megatron_xmod.data.preprocess",
     "megatron_xmod.scaling.cli",
     "megatron_xmod.demo",
+    "megatron_xmod.diagnostics.cli",
     "megatron_xmod.pipeline.cli",
 )
 
