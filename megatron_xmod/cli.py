@@ -13,6 +13,7 @@ COMMAND_MODULES = (
     "megatron_xmod.scaling.cli",
     "megatron_xmod.demo",
     "megatron_xmod.diagnostics.cli",
+    "megatron_xmod.hf.cli",
     "megatron_xmod.pipeline.cli",
 )
 

@@ -1,0 +1,42 @@
+"""``xmod export-hf`` and ``xmod import-hf`` (see docs/hf.md)."""
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("export-hf", help="megatron torch_dist checkpoint (any TP/PP) -> Hugging Face folder")
+    p.add_argument("--load", required=True, help="the run's --save folder (or one iter_*/release folder)")
+    p.add_argument("--output", required=True, help="new folder for the HF model")
+    p.add_argument("--iteration", type=int, default=None, help="default: the latest checkpoint")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="weights' dtype (default: the run's parameter dtype)")
+    p.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (e.g. 500MB, 5GB)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="the tokenizer file/folder, when the path the run saved is not valid here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_export)
+
+    p = subparsers.add_parser("import-hf", help="Hugging Face folder from export-hf -> megatron torch_dist checkpoint")
+    p.add_argument("folder", help="a folder written by xmod export-hf")
+    p.add_argument("--save", required=True, help="new checkpoint folder (pass it as --load to continue training)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.set_defaults(func=_import)
+
+
+def _export(args) -> int:
+    from megatron_xmod.hf.export import export_checkpoint
+
+    result = export_checkpoint(args.load, args.output, iteration=args.iteration, dtype=args.dtype,
+                               max_shard_size=args.max_shard_size, tokenizer_model=args.tokenizer_model,
+                               progress=not args.no_progress)
+    print(f"[export-hf] {result.summary()}")
+    return 0
+
+
+def _import(args) -> int:
+    from megatron_xmod.hf.importer import import_folder
+
+    path = import_folder(args.folder, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    print(f"[import-hf] wrote {path} (a release checkpoint: --load {args.save} starts at iteration 0 with a fresh "
+          f"optimizer; saved for TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size})")
+    return 0
