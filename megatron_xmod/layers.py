@@ -12,10 +12,15 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_xmod.attention import SDPAttention
 from megatron_xmod.config import check_routing_compatibility
+from megatron_xmod.memory import flat_rows, recompute_phase, router_logits
 from megatron_xmod.permute import gather_tokens, scatter_gated
 from megatron_xmod.routing import (
     SparseLayerRouting,
@@ -77,12 +82,23 @@ def _gather_positions(rotary_pos_emb, indices: torch.Tensor):
     return rotary_pos_emb[:, 0, 0][indices].unsqueeze(2)
 
 
+def _padding_mask(valid: Optional[torch.Tensor]):
+    """Attention mask of a padded routed batch ([k, b] ``valid``): causal among routed tokens, padding
+    visible to itself only; megatron's convention (True = masked), [b, 1, k, k]. None: plain causal."""
+    if valid is None:
+        return None
+    k = valid.shape[0]
+    causal = torch.ones(k, k, dtype=torch.bool, device=valid.device).tril()
+    allowed = causal & (valid.t()[:, None, :] | torch.eye(k, dtype=torch.bool, device=valid.device))
+    return ~allowed.unsqueeze(1)
+
+
 class XModSparseLayer(TransformerLayer):
     """``routing`` (spec params) says how this layer routes; ``routing_state`` is the built model
     chunk's :class:`~megatron_xmod.routing_state.RoutingState`, attached after the build."""
 
     ROUTING_METRICS = ("selected_fraction", "coverage", "adjacent_jaccard", "router_bce_loss",
-                       "eval_selected_fraction", "eval_coverage", "eval_adjacent_jaccard")
+                       "eval_selected_fraction", "eval_coverage", "eval_adjacent_jaccard", "nonfinite_router_logits")
 
     def __init__(self, config, submodules, layer_number: int = 1, *, routing: SparseLayerRouting, **kwargs):
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
@@ -102,6 +118,10 @@ class XModSparseLayer(TransformerLayer):
                 torch.full((1,), float(routing.gate_scale_init), device=device, dtype=config.params_dtype),
                 requires_grad=routing.gate_scale_learnable,  # frozen: the fixed-varsigma ablation (same checkpoint keys)
             )
+        for param in self._routing_parameters():
+            # Replicated on the TP ranks but, under sequence parallelism, fed by this rank's tokens only:
+            # megatron all-reduces the gradients of parameters tagged so (as for the layer norms).
+            param.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None, context_mask=None,
                 rotary_pos_emb=None, inference_context=None, packed_seq_params=None, **unused):
@@ -115,15 +135,19 @@ class XModSparseLayer(TransformerLayer):
                 "building it")
         routing = self.routing
         seq_len, batch = hidden_states.shape[:2]
-        logits = self.router(hidden_states).squeeze(-1).float()  # [s, b]
-        carried_bias, previous_selected = state.take_bias(self.layer_number, (seq_len, batch))
+        seq_len *= self._sequence_shards()  # under sequence parallelism routing ranks the whole sequence
+        phase = recompute_phase(self.training)  # "first" / "replay" under full recompute, else None
+        logits, chain = self._router_logits(hidden_states)  # [s, b], whole sequence
+        carried_bias, previous_selected = self._take_bias(state, (seq_len, batch), phase)
         rule = "topk" if self.training else state.eval_rule
         tau = routing.effective_tau(state.iteration)  # during a training run the warm-up's value, else the full tau
         decision = route(logits, routing.sparsity_k, rule, carried_bias, tau)
         state.observe(self.layer_number, logits, decision)
+        state.record("nonfinite_router_logits", self.layer_number, (~torch.isfinite(logits)).sum())  # no host sync
         bias = update_token_choice_bias(carried_bias, decision.selected, routing.token_choice_bias_increment)
         state.put_bias(self.layer_number, bias, decision.selected)
-        self._record_metrics(state, decision, bias, previous_selected)
+        if phase != "replay":  # a recomputed layer was recorded in its first pass
+            self._record_metrics(state, decision, bias, previous_selected)
 
         if decision.topk_indices is not None:
             output = self._routed_update(hidden_states, decision.topk_indices, decision.scores, rotary_pos_emb)
@@ -145,19 +169,65 @@ class XModSparseLayer(TransformerLayer):
 
         if self.training and routing.router_bce_coeff > 0:
             bce = router_bce_loss(decision.scores, decision.selected)
-            state.record("router_bce_loss", self.layer_number, bce)
-            state.add_microbatch_loss(bce)
-            output = RouterLossAutoScaler.apply(output, routing.router_bce_coeff * bce, self.config, seq_len * batch)
+            if phase != "replay":
+                state.record("router_bce_loss", self.layer_number, bce)
+                state.add_microbatch_loss(bce)
+            output = RouterLossAutoScaler.apply(output, routing.router_bce_coeff * self._local_share(bce, decision),
+                                                self.config, seq_len * batch)
+        if chain is not None:  # the next routed layer of the block rebuilds its router input from these rows
+            state.router_inputs.put(self.layer_number, chain, output, self._written_rows(decision, hidden_states.shape[0]))
         return output, context
 
+    # --- router, token-choice bias, sequence parallelism -------------------------------------------
+    def _routing_parameters(self):
+        return [self.router.weight, self.router.bias] + ([self.gate_scale] if hasattr(self, "gate_scale") else [])
+
+    def _sequence_shards(self) -> int:
+        return self.tp_group.size() if self.config.sequence_parallel else 1
+
+    def _router_logits(self, hidden_states):
+        """Router logits [s, b] in fp32 over the whole sequence, and the router-input chain of the
+        block (megatron_xmod.memory: the full-length input is saved once per block, not per layer)."""
+        logits, chain = router_logits(self.router, hidden_states, self.routing_state.router_inputs, self.layer_number)
+        logits = logits.squeeze(-1).float()
+        if self.config.sequence_parallel:
+            # L scalars per sequence: every TP rank gets them all and makes the same selection; the
+            # backward reduce-scatters the score gradients to the rank that holds each token.
+            logits = gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=True, group=self.tp_group)
+        return logits, chain
+
+    def _take_bias(self, state: RoutingState, shape, phase):
+        """The carried token-choice bias; under full recompute the replay gets what the first pass took."""
+        if phase == "replay":
+            return state.recompute_replay.pop(self.layer_number)
+        carried = state.take_bias(self.layer_number, shape)
+        if phase == "first":
+            state.recompute_replay.push(self.layer_number, carried)
+        return carried
+
+    def _local_share(self, loss, decision):
+        """What this rank back-propagates of a loss averaged over all [s, b] scores: all of it, or under
+        sequence parallelism its own tokens' part (the ranks' score gradients are summed)."""
+        if not self.config.sequence_parallel:
+            return loss
+        rows = self._local_rows(decision.scores.shape[0] // self._sequence_shards())
+        return router_bce_loss(decision.scores[rows], decision.selected[rows]) / self._sequence_shards()
+
+    def _local_rows(self, local_len: int) -> slice:
+        start = self.tp_group.rank() * local_len if self.config.sequence_parallel else 0
+        return slice(start, start + local_len)
+
+    def _written_rows(self, decision, local_len: int) -> torch.Tensor:
+        """Flat rows ([s*b, h] view) of this rank's slice that the layer may have changed."""
+        if decision.topk_indices is not None and not self.config.sequence_parallel:
+            return flat_rows(decision.topk_indices, decision.topk_indices.shape[1])
+        return decision.selected[self._local_rows(local_len)].reshape(-1).nonzero().squeeze(1)
+
     def _routed_update(self, hidden_states, indices, scores, rotary_pos_emb, valid=None):
+        if self.config.sequence_parallel:
+            return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid)
         routed = gather_tokens(hidden_states, indices)
-        attention_mask = None
-        if valid is not None:  # padded batch: causal among routed tokens, padding visible to itself only
-            k = indices.shape[0]
-            causal = torch.ones(k, k, dtype=torch.bool, device=indices.device).tril()
-            allowed = causal & (valid.t()[:, None, :] | torch.eye(k, dtype=torch.bool, device=indices.device))
-            attention_mask = ~allowed.unsqueeze(1)  # megatron convention: True = masked, [b, 1, k, k]
+        attention_mask = _padding_mask(valid)
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
         r = torch.sigmoid(torch.gather(scores, 0, indices)).to(hidden_states.dtype)  # [k, b]
         keep = torch.ones_like(r) if valid is None else valid.to(r.dtype)
@@ -165,6 +235,44 @@ class XModSparseLayer(TransformerLayer):
             return scatter_gated(hidden_states, attention + mlp, self.gate_scale * r * keep, indices)
         # Eq.(6), MoD: x + a + r * f
         return scatter_gated(hidden_states, attention + r.unsqueeze(-1) * mlp, keep, indices)
+
+    def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None):
+        """Sequence parallel: ``hidden_states`` is this rank's slice [s/T, b, h] of the sequence and
+        ``indices`` [k, b] are positions in the whole sequence (the same on every rank). The routed
+        subsequence, padded to a multiple of T at its end (causal attention keeps real tokens from
+        seeing the padding), is split across the ranks like any sequence-parallel activation: each rank
+        contributes the routed tokens it holds (reduce-scatter), attention and MLP run in megatron's
+        sequence-parallel pattern, and the gated updates are all-gathered so that every rank adds those
+        of its own tokens."""
+        group = self.tp_group
+        shards, rank = group.size(), group.rank()
+        local_len, batch, hidden = hidden_states.shape
+        k, pad = indices.shape[0], -indices.shape[0] % shards
+        real = torch.ones_like(indices, dtype=torch.bool) if valid is None else valid
+        if pad:
+            indices = torch.cat([indices, indices[-1:].expand(pad, batch)])  # padding: any position for RoPE
+            real = torch.cat([real, real.new_zeros(pad, batch)])
+        local = indices - rank * local_len
+        mine = (local >= 0) & (local < local_len)
+        mine[k:] = False
+        local = torch.where(mine, local, 0)
+        rows = hidden_states.reshape(-1, hidden).index_select(0, flat_rows(local, batch)).view(-1, batch, hidden)
+        rows = torch.where(mine.unsqueeze(-1), rows, 0)
+        routed = reduce_scatter_to_sequence_parallel_region(rows, group=group)  # [(k + pad) / T, b, h]
+        attention_mask = None if valid is None else _padding_mask(real)  # end padding: causal suffices
+        attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
+        part = slice(rank * routed.shape[0], (rank + 1) * routed.shape[0])
+        r = torch.sigmoid(torch.gather(scores, 0, indices[part])).to(hidden_states.dtype)
+        keep = real[part].to(r.dtype)
+        if self.routing.family == "xmod":  # Eq.(7), as scatter_gated computes it
+            update = (self.gate_scale * r * keep).unsqueeze(-1).to(attention.dtype) * (attention + mlp)
+        else:  # Eq.(6)
+            update = keep.unsqueeze(-1).to(attention.dtype) * (attention + r.unsqueeze(-1) * mlp)
+        update = gather_from_sequence_parallel_region(update, tensor_parallel_output_grad=True, group=group)
+        flat_mine = mine.reshape(-1).nonzero().squeeze(1)
+        destination = flat_rows(local, batch)[flat_mine]
+        output = hidden_states.reshape(-1, hidden).index_add(0, destination, update.reshape(-1, hidden)[flat_mine])
+        return output.view_as(hidden_states)
 
     def _attention_and_mlp(self, x, rotary_pos_emb, attention_mask=None):
         """The attention update a and MLP update f of this layer on the routed subsequence x."""

@@ -61,7 +61,7 @@ class DTopPRouter(TopKRouter):
         non-persistent, reset by :func:`update_dtopp_controllers`.
     """
 
-    ROUTING_METRICS = ("dtopp_active_experts", "dtopp_threshold", "dtopp_dynamic_loss")
+    ROUTING_METRICS = ("dtopp_active_experts", "dtopp_threshold", "dtopp_dynamic_loss", "nonfinite_router_logits")
 
     def __init__(self, config: MoEConfig, pg_collection=None, is_mtp_layer: bool = False) -> None:
         if not isinstance(config, MoEConfig) or not config.is_topp:
@@ -118,6 +118,10 @@ class DTopPRouter(TopKRouter):
         logits = logits.view(-1, self.config.num_moe_experts)
         if padding_mask is not None:
             padding_mask = padding_mask.reshape(-1)
+        if self.layer_number is not None and self.routing_state is not None:
+            # NaN/Inf gate logits route silently (softmax -> NaN, top-p keeps the first expert); counted
+            # on the device, turned into a NaN loss naming the layer by the forward step.
+            self.routing_state.record("nonfinite_router_logits", self.layer_number, (~torch.isfinite(logits)).sum())
         # Router z-loss acts on the raw gate logits W x (paper Eq.14); megatron's, coefficient
         # moe_z_loss_coeff, logged as "z_loss".
         logits = self.apply_z_loss(logits, padding_mask=padding_mask)

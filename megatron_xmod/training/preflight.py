@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -232,7 +233,8 @@ def check_split(args) -> None:
 
     needed = [bool(args.train_iters or args.train_samples), args.eval_iters > 0, args.eval_iters > 0]
     weights = parse_and_normalize_split(args.split)
-    if needed[1] and weights[1] == 0 and not (args.valid_data_path or getattr(args, "per_split_data_args_path", None)):
+    if needed[1] and weights[1] == 0 and not (getattr(args, "valid_data_path", None)
+                                              or getattr(args, "per_split_data_args_path", None)):
         raise ValueError(f"split: --split {args.split} gives the validation split no data but --eval-iters "
                          f"{args.eval_iters} asks for validation (megatron 0.19 would train, then crash in forward_step "
                          "at its first validation); pass --eval-iters 0 to train without validation, or give the "
@@ -356,10 +358,15 @@ def _check_writable(flag: str, path: str) -> None:
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.access(existing, os.W_OK | os.X_OK):
-        where = "it" if existing == os.path.abspath(path) else f"its parent {existing}"
-        raise ValueError(f"{flag}: {option} {path} is not writable ({where} is not writable by this user); pass a "
-                         "directory you can write, or fix the permissions")
+    where = "it" if existing == os.path.abspath(path) else f"its parent {existing}"
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag}: {option} {path} cannot be created ({where} is a file); pass a directory path")
+    try:  # a real write (os.access says yes to root on read-only mounts and root-squashed NFS)
+        with tempfile.TemporaryFile(dir=existing, prefix=".xmod_write_check_"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{flag}: {option} {path} is not writable ({where}: {error.strerror}); pass a directory you "
+                         "can write, or fix the permissions") from error
 
 
 def check_load(args) -> None:

@@ -4,6 +4,13 @@ The loss dictionary carries ``lm loss``, ``router bce loss`` (the mean over this
 layers, taken from the model chunk's routing state), ``lm z loss`` for DTop-p models, and at
 validation ``lm loss topk routing``: the same batch under top-k routing, the comparison the X-MoD
 paper's Table 10 makes with the deployable threshold rule.
+
+Non-finite router logits: the sparse layers and the DTop-p router count them on the device
+(``nonfinite_router_logits`` in the routing state, no host sync per layer). The forward step takes
+the micro-batch's counts and a non-zero one makes the loss NaN, so megatron's NaN handling
+(``--check-for-nan-in-loss-and-grad``, on by default) counts and stops the iteration, and the
+message names the layer. Routing on NaN logits would otherwise go unnoticed: top-k picks the NaN
+positions, the threshold rule routes no token and the layer is silently skipped.
 """
 from __future__ import annotations
 
@@ -12,12 +19,50 @@ from typing import Optional
 
 import torch
 
-from megatron_xmod.routing_state import eval_routing, take_microbatch_loss
+from megatron_xmod.routing_state import eval_routing, routing_states, take_microbatch_loss
+
+NONFINITE = "nonfinite_router_logits"
+
+
+def nonfinite_totals(model) -> dict[int, torch.Tensor]:
+    """{layer number: running count of non-finite router logits} of ``model``'s routing states."""
+    return {layer: value for state in routing_states(model) for (name, layer), (value, _) in state.items()
+            if name == NONFINITE}
+
+
+def nonfinite_since(model, before: dict[int, torch.Tensor]) -> Optional[tuple[list[int], torch.Tensor]]:
+    """(layers, counts on the device) recorded since ``before`` (a :func:`nonfinite_totals`)."""
+    after = nonfinite_totals(model)
+    if not after:
+        return None
+    layers = sorted(after)
+    return layers, torch.stack([after[layer] - before[layer] if layer in before else after[layer] for layer in layers])
+
+
+def _nan_check() -> tuple[bool, bool]:
+    """(megatron's NaN check is on, megatron's training globals exist)."""
+    try:
+        from megatron.training import get_args
+
+        return bool(get_args().check_for_nan_in_loss_and_grad), True
+    except (AssertionError, ImportError, AttributeError):  # outside megatron's training loop
+        return True, False
+
+
+def nonfinite_message(layers: list[int], counts: list[float]) -> Optional[str]:
+    bad = [f"layer {layer} ({int(count)} values)" for layer, count in zip(layers, counts) if count > 0]
+    if not bad:
+        return None
+    return (f"non-finite router logits in {', '.join(bad)}: this micro-batch's loss is set to NaN. A NaN/Inf router "
+            "weight or layer input in the first of these layers; resume from the last checkpoint (`xmod ckpt verify` checks it) with a "
+            "lower --lr or --clip-grad")
 
 
 def loss_func(loss_mask: torch.Tensor, router_bce: Optional[torch.Tensor], topk_losses: Optional[torch.Tensor],
-              lm_z_loss: Optional[tuple], output_tensor: torch.Tensor):
-    """``lm_z_loss``: (labels, coefficient) when the model returned logits for the DTop-p LM z-loss."""
+              lm_z_loss: Optional[tuple], output_tensor: torch.Tensor,
+              nonfinite: Optional[tuple[list[int], torch.Tensor]] = None):
+    """``lm_z_loss``: (labels, coefficient) when the model returned logits for the DTop-p LM z-loss;
+    ``nonfinite``: (layers, counts) of non-finite router logits in this micro-batch."""
     mask = loss_mask.view(-1).float()
     num_tokens = mask.sum().detach().to(torch.int)
     z_report = None
@@ -35,6 +80,18 @@ def loss_func(loss_mask: torch.Tensor, router_bce: Optional[torch.Tensor], topk_
         losses = output_tensor.float().view(-1)
         loss = torch.sum(losses * mask)
         lm_sum = loss.detach()
+    message = None
+    if nonfinite is not None:
+        layers, counts = nonfinite
+        poison = torch.where(counts.sum() > 0, float("nan"), 0.0).to(loss.dtype)  # on the device
+        loss, lm_sum = loss + poison, lm_sum + poison
+        check, in_megatron = _nan_check()
+        if check:  # megatron syncs on the loss for its NaN check anyway: one host read per micro-batch
+            message = nonfinite_message(layers, counts.tolist())
+            if message is not None:
+                print(f"[xmod] {message}", flush=True)
+            if in_megatron:
+                _validate_loss(loss, message)
     reports = {"lm loss": torch.cat([lm_sum.view(1), num_tokens.view(1)])}
     if z_report is not None:
         reports["lm z loss"] = z_report
@@ -46,6 +103,17 @@ def loss_func(loss_mask: torch.Tensor, router_bce: Optional[torch.Tensor], topk_
     return loss, num_tokens, reports
 
 
+def _validate_loss(loss: torch.Tensor, message: Optional[str]) -> None:
+    """megatron's NaN/Inf check of the local loss, as Megatron-LM's pretrain_gpt.py loss_func makes it."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    machine.validate_result(result=loss, rejection_func=torch.isnan, tolerance=0.0, fatal=True,
+                            message=message or "found NaN in local forward loss calculation")
+    machine.validate_result(result=loss, rejection_func=torch.isinf, tolerance=0.0, fatal=True,
+                            message="found Inf in local forward loss calculation")
+
+
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model
@@ -53,6 +121,10 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
     from megatron_xmod.model import sparse_layers
 
+    if data_iterator is None:  # megatron sets do_valid for a split it built no loader for
+        raise ValueError("split: megatron asked for a batch of a split that has no data (a --split weight of 0, or "
+                         "no --valid-data-path, with --eval-iters > 0); pass --eval-iters 0 or give that split data")
+    before = nonfinite_totals(model)
     batch = next(data_iterator)
     tokens, labels = batch["tokens"], batch["labels"]
     loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
@@ -73,4 +145,5 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         rule = "topk" if routed[0].routing_state.eval_rule == "threshold" else "threshold"
         with eval_routing(model, rule), torch.no_grad():
             topk_losses = model(tokens, position_ids, attention_mask, labels=labels)
-    return output, partial(loss_func, loss_mask, router_bce, topk_losses, lm_z_loss)
+    return output, partial(loss_func, loss_mask, router_bce, topk_losses, lm_z_loss,
+                           nonfinite=nonfinite_since(model, before))
