@@ -30,7 +30,7 @@ FAST = SearchOptions(seed=0, popsize=8, maxiter=60)
 # --- the law ---------------------------------------------------------------------------------------
 
 def test_planner_k_hat_with_table8_matches_the_laws_own_optimum():
-    k_hat = [plan_flops(B556, L, a_grid=(1.0,), dense_prefix=4).best.design.K for L in LENGTHS]
+    k_hat = [plan_flops(B556, L, a_grid=(1.0,), k_max=64, dense_prefix=4).best.design.K for L in LENGTHS]
     assert k_hat == [3, 5, 9, 14, 21, 32]
     # The paper's Fig. 2a marks 3, 6, 10, 14, 18 (22 extrapolated). Those are one-dimensional descriptive
     # fits per sweep, not Eq.(21)'s prediction (the paper says so), so they agree only at 2k and 16k.
@@ -97,7 +97,7 @@ def test_wallclock_mode_prefers_faster_config(tmp_path):
     tokens = np.geomspace(1e8, 1e11, 20)
     curve = DenseCurve(tokens, 2.5 + 5 * (tokens / 1e8) ** -0.3)
     plan = plan_wallclock(B556, 32768, str(tp), curve, hours=24)
-    flops = plan_flops(B556, 32768, a_grid=(1.0,))
+    flops = plan_flops(B556, 32768, a_grid=(1.0,), k_max=64)
     assert flops.best.design.K == 21
     assert plan.best.design.K == 8  # K = 21 is FLOPs-optimal but too slow per token here
     d = design(B556, 8, 1.0, 32768)
@@ -179,8 +179,12 @@ def test_invalid_runs_are_rejected_with_the_column_named(tmp_path):
         load_runs(_write(tmp_path / "d.csv", rows, [c for c in rows[0] if c != "dense_loss"]))
     with pytest.raises(ValueError, match="N_act: .* matches no backbone preset"):
         load_runs(_write(tmp_path / "e.csv", [dict(r, N_act=1.2e7, backbone="") for r in rows]))
-    with pytest.raises(ValueError, match="anchor_stride"):
-        load_runs(_write(tmp_path / "f.csv", [dict(rows[0], A=0.5, K=3)]))
+    with pytest.raises(ValueError, match="row 2: anchor_stride"):  # no whole layout: training cannot build it
+        load_runs(_write(tmp_path / "f.csv", [dict(rows[0], A=4, K=2)]))
+    with pytest.raises(ValueError, match=r"row 2: K: 3 does not divide L = 2048"):  # training refuses L/K not whole
+        load_runs(_write(tmp_path / "g.csv", [dict(rows[0], L=2048, A=1, K=3)]))
+    with pytest.raises(ValueError, match=r"RUNS.csv .*missing.csv: file not found"):
+        load_runs(str(tmp_path / "missing.csv"))
 
 
 def test_dense_loss_interpolated_from_k1_rows(tmp_path):
@@ -215,7 +219,7 @@ def test_planner_rejects_bad_arguments():
 # --- the commands ----------------------------------------------------------------------------------
 
 def test_xmod_plan_json(capsys):
-    assert xmod(["plan", "--seq-len", "32768", "--n-act", "556m", "--A", "1", "--json"]) == 0
+    assert xmod(["plan", "--seq-len", "32768", "--n-act", "556m", "--A", "1", "--k-max", "64", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("K", "A", "layout", "total_params", "active_params", "predicted_delta"):
         assert key in out
@@ -258,7 +262,7 @@ def test_planner_points_to_a_trainable_k_when_the_optimum_does_not_divide_l():
     """Training routes exactly L/K tokens, so K^ = 21 at L = 32768 cannot train as is."""
     from megatron_xmod.scaling.planner import plan_flops
 
-    plan = plan_flops(get_backbone("556m"), 32768, a_grid=[1.0])
+    plan = plan_flops(get_backbone("556m"), 32768, a_grid=[1.0], k_max=64)
     assert plan.best.design.K == 21
     note = [w for w in plan.warnings if "does not divide" in w]
     assert len(note) == 1 and "the best K that does is K = 16" in note[0]

@@ -2,20 +2,21 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
-from megatron_xmod.presets import BACKBONES, get_backbone
+from megatron_xmod.presets import BACKBONES, Backbone, is_backbone_file, resolve_backbone
 from megatron_xmod.scaling.law import TABLE8, LawParams
 
 
-def _size(text: str) -> float:
+def _size(text: str, field: str = "max_total_params") -> float:
     """'5e9', '4.8B', '900m' -> parameters."""
     t = text.strip().lower()
     scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:], 1.0)
     try:
         return float(t[:-1] if scale != 1.0 else t) * scale
     except ValueError:
-        raise ValueError(f"max_total_params: expected a number such as 5e9 or 4.8B, got {text!r}") from None
+        raise ValueError(f"{field}: expected a number such as 5e9 or 4.8B, got {text!r}") from None
 
 
 def _a_grid(text: str) -> tuple[float, ...]:
@@ -31,8 +32,13 @@ def _a_grid(text: str) -> tuple[float, ...]:
 def load_law(path: str | None) -> LawParams:
     if not path:
         return TABLE8
+    if not os.path.isfile(path):
+        raise ValueError(f"law {path}: file not found; give the law.json that `xmod fit --out DIR` wrote")
     with open(path) as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"law {path}: not valid JSON ({e}); give the law.json that `xmod fit --out DIR` wrote") from None
     params = data.get("params", data)
     known = set(LawParams.__dataclass_fields__)
     missing = [k for k in ("e", "u", "eta_N", "rho_N", "w", "eta_L", "rho_L", "z", "rho_K", "rho_A") if k not in params]
@@ -44,11 +50,19 @@ def load_law(path: str | None) -> LawParams:
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="choose sparsity K and anchor stride A from the X-MoD scaling law")
     p.add_argument("--seq-len", type=int, default=32768, help="training sequence length L (tokens)")
-    p.add_argument("--n-act", default="556m", help=f"activated-equivalent backbone: one of {', '.join(BACKBONES)}")
+    p.add_argument("--n-act", default="556m",
+                   help=f"activated size: a preset ({', '.join(BACKBONES)}), a backbone JSON file, or a number of "
+                        "parameters (165e6, 300M): a number is planned on --backbone, else on the preset of "
+                        "nearest size")
+    p.add_argument("--backbone", default=None,
+                   help="the backbone whose layouts are counted (a preset or a JSON file, see `xmod count --help`); "
+                        "default: the one --n-act names")
     p.add_argument("--max-total-params", default=None, help="cap on total parameters N, e.g. 5e9 or 4.8B")
     p.add_argument("--A", type=float, default=None, help="fix the anchor stride (default: search --A-grid)")
     p.add_argument("--A-grid", default="0.5,1,2,3,4,5", help="anchor strides to search (the paper's anchor sweep)")
-    p.add_argument("--k-max", type=int, default=64, help="largest K to consider")
+    p.add_argument("--k-max", type=int, default=None,
+                   help="largest K to consider (default 16: the largest K the law was fitted on; above it the "
+                        "plan extrapolates and says so)")
     p.add_argument("--dense-prefix", type=int, default=4, help="N0, dense layers before the first sparse block")
     p.add_argument("--law", default=None, help="law JSON from `xmod fit --out` (default: Table 8 of the paper)")
     p.add_argument("--throughput", default=None,
@@ -60,8 +74,14 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=run_plan)
 
-    f = subparsers.add_parser("fit", help="refit the X-MoD scaling law on your own sweep (RUNS.csv, see docs/scaling.md)")
-    f.add_argument("runs", help="RUNS.csv, one row per run")
+    f = subparsers.add_parser(
+        "fit", help="refit the X-MoD scaling law on your own sweep (RUNS.csv, see docs/scaling.md)",
+        description="Two-stage fit: stage 1 on the A = 1 runs needs one run more than it has coefficients (e, u, w "
+                    "and the identifiable exponents: 6 runs for one backbone at one L, 7 with several L, 8 with "
+                    "several L and backbones); stage 2 on the A != 1 runs needs 4 (z, rho_K, rho_A), or none "
+                    "(then z = 0). Rows training would refuse (K not dividing L, a layout that is not whole) are "
+                    "errors naming the row.")
+    f.add_argument("runs", help="RUNS.csv, one row per run (columns: docs/scaling.md)")
     f.add_argument("--dense-curve", default=None, help="CSV with columns L, N_act, C, loss of dense runs to interpolate")
     f.add_argument("--law", choices=("reduced", "full"), default="reduced",
                    help="law written as 'params' and used for hold-out and plots: reduced = Eq.(21), full = Eq.(22)")
@@ -85,10 +105,44 @@ def _infeasible_summary(items: list[dict]) -> str:
     return "; ".join(f"A={g['A']:g}: K={k_ranges(g['K'])}" for g in group_infeasible(items))
 
 
-def run_plan(args) -> int:
-    from megatron_xmod.scaling.planner import DenseCurve, plan_flops, plan_wallclock
+def plan_backbone(n_act: str, backbone: str | None) -> tuple[Backbone, float | None, str]:
+    """(backbone the layouts are counted on, N_act the law uses or None for the counted one, note)."""
+    if not _is_number(n_act):
+        named = resolve_backbone(n_act)
+        if backbone is not None and resolve_backbone(backbone) != named:
+            raise ValueError(f"backbone: --n-act {n_act} already names a backbone; give --n-act as a number of "
+                             "parameters to plan it on --backbone")
+        return named, None, ""
+    value = _size(n_act, "n_act")
+    if not value > 0:
+        raise ValueError(f"n_act: must be > 0, got {n_act!r}")
+    if backbone is not None:
+        return resolve_backbone(backbone), value, f"N_act = {value / 1e6:.0f}M on backbone {backbone}"
+    from megatron_xmod.accounting import count_model
 
-    backbone = get_backbone(args.n_act)
+    nearest = min(BACKBONES.values(), key=lambda b: abs(math.log(count_model(b, f"D*{b.num_layers}", 2048).active_params
+                                                                 / value)))
+    return nearest, value, (f"N_act = {value / 1e6:.0f}M; layouts counted on the nearest preset, {nearest.name} "
+                            "(give --backbone FILE for your own)")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        resolve_backbone(text)
+        return False  # a preset name such as 165m, or a backbone file
+    except ValueError:
+        pass
+    try:
+        _size(text, "n_act")
+        return not is_backbone_file(text)
+    except ValueError:
+        return False
+
+
+def run_plan(args) -> int:
+    from megatron_xmod.scaling.planner import DEFAULT_K_MAX, FITTED_RANGE, DenseCurve, plan_flops, plan_wallclock
+
+    backbone, n_act, basis = plan_backbone(args.n_act, args.backbone)
     params = load_law(args.law)
     cap = _size(args.max_total_params) if args.max_total_params else None
     wallclock = [args.throughput, args.dense_curve, args.hours]
@@ -96,10 +150,13 @@ def run_plan(args) -> int:
         if any(x is None for x in wallclock):
             raise ValueError("throughput: wall-clock mode needs all of --throughput, --dense-curve and --hours")
         plan = plan_wallclock(backbone, args.seq_len, args.throughput, DenseCurve.from_csv(args.dense_curve),
-                              args.hours, params, args.dense_prefix, cap)
+                              args.hours, params, args.dense_prefix, cap, n_act)
     else:
         grid = (args.A,) if args.A is not None else _a_grid(args.A_grid)
-        plan = plan_flops(backbone, args.seq_len, params, grid, args.k_max, args.dense_prefix, cap)
+        k_max = DEFAULT_K_MAX if args.k_max is None else args.k_max
+        plan = plan_flops(backbone, args.seq_len, params, grid, k_max, args.dense_prefix, cap, n_act)
+    if basis:
+        plan.warnings.insert(0, basis)
     result = plan.to_dict()
     if args.json:
         if not args.all:
@@ -122,6 +179,11 @@ def run_plan(args) -> int:
         print(f"  predicted loss after {args.hours:g} h = {b.predicted_loss:.4f} at {b.tokens_per_s:,.0f} tokens/s")
     e = plan.exponents
     print(f"  Eq.(31): K^ ~ L^{e['L']:.3f} * N_act^{e['N_act']:.3f}")
+    if not args.law:
+        r = FITTED_RANGE
+        print(f"  Table 8 was fitted on L = {r['L'][0]}..{r['L'][1]}, N_act = {r['N_act'][0] / 1e6:.0f}M.."
+              f"{r['N_act'][1] / 1e6:.0f}M, K <= {r['K'][1]}, A = {r['A'][0]:g}..{r['A'][1]:g} (notes below say when "
+              "a plan leaves it)")
     if plan.infeasible:
         print(f"  infeasible (A*K or (28-N0)/(1+A) not whole), skipped: {_infeasible_summary(plan.infeasible)}")
     if plan.over_budget:
@@ -145,9 +207,11 @@ def run_fit(args) -> int:
         FitReport,
         SearchOptions,
         check_holdout,
+        check_minimum_runs,
         fit_both,
         holdout,
         in_sample,
+        minimum_runs,
     )
     from megatron_xmod.scaling.plots import write_plots
     from megatron_xmod.scaling.runs import load_runs
@@ -155,6 +219,7 @@ def run_fit(args) -> int:
     runs = load_runs(args.runs, args.dense_curve)
     if args.popsize < 1 or args.maxiter < 1:
         raise ValueError("popsize/maxiter: must be >= 1")
+    check_minimum_runs(runs, "reduced")  # before any search
     opts = SearchOptions(seed=args.seed, popsize=args.popsize, maxiter=args.maxiter)
     if args.holdout == "none":
         kinds = []
@@ -189,6 +254,9 @@ def run_fit(args) -> int:
         return 0
 
     print(f"xmod fit: {len(runs)} sparse runs from {args.runs}; two-stage DE (seed {args.seed}) + NNLS")
+    need = minimum_runs(runs, "reduced")
+    print("  runs per stage: " + ", ".join(f"{stage} {int(((runs.A == 1) if '(A = 1)' in stage else (runs.A != 1)).sum())} "
+                                           f"(minimum {n})" for stage, n in need.items()))
     names = ("e", "u", "eta_N", "rho_N", "w", "eta_L", "rho_L", "z", "rho_K", "rho_A", "v", "eta_D", "rho_D")
     print(f"  {'coef':<6} {'Table 8':>10} {'reduced':>11} {'full':>11}")
     for n in names:

@@ -11,7 +11,7 @@ from typing import Optional
 
 from megatron_xmod.accounting import ModelCount, count_model, embedding_params
 from megatron_xmod.layout import NAMED_LAYOUTS, Layout, LayoutError, parse_layout, resolve_layout
-from megatron_xmod.presets import BACKBONES, Backbone, get_backbone
+from megatron_xmod.presets import BACKBONES, Backbone, resolve_backbone
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def _layout(K: int, A: float, dense_prefix: int, depth: int) -> tuple[Layout, st
 def design(backbone: Backbone | str, K: int, A: Optional[float], seq_len: int, dense_prefix: int = 4,
            layout: Optional[str] = None) -> Design:
     if isinstance(backbone, str):
-        backbone = get_backbone(backbone)
+        backbone = _backbone(backbone)
     return _design(backbone, K, A, seq_len, dense_prefix, layout)
 
 
@@ -75,17 +75,28 @@ def _design(backbone: Backbone, K: int, A: Optional[float], seq_len: int, dense_
         lay, note = parse_layout(layout), "explicit layout"
         if lay.activated_depth != backbone.num_layers:
             raise LayoutError(f"layout: {layout!r} activates {float(lay.activated_depth):g} layers, "
-                              f"the {backbone.name} backbone has {backbone.num_layers}")
+                              f"the {backbone.name} backbone has {backbone.num_layers}; the law compares models of "
+                              "equal activated depth (set the backbone's num_layers, or fix the layout)")
+        ks = {layer.sparsity_k for layer in lay.layers if layer.is_sparse}
+        if ks and ks != {K}:
+            raise LayoutError(f"layout: {layout!r} routes with K = {', '.join(map(str, sorted(ks)))}, the row says "
+                              f"K = {K}; make them agree")
     else:
         lay, note = _layout(K, float(A) if A is not None else 1.0, dense_prefix, backbone.num_layers)
     count = count_model(backbone, lay, seq_len)
     return Design(K, None if K == 1 else float(A), lay, count, capacity_ratio(backbone, count), note)
 
 
+@lru_cache(maxsize=256)
+def _backbone(spec: str) -> Backbone:
+    return resolve_backbone(spec)
+
+
 def backbone_for(n_act: float, name: Optional[str] = None) -> Backbone:
-    """The preset a run used: named, or the one whose activated size (counted or nominal) is within 5%."""
+    """The backbone a run used: named (a preset or a JSON file), or the preset whose activated size
+    (counted or nominal) is within 5%."""
     if name:
-        return get_backbone(name)
+        return _backbone(name)
     for b in BACKBONES.values():
         nominal = float(b.name[:-1]) * (1e9 if b.name.endswith("b") else 1e6)
         counted = count_model(b, f"D*{b.num_layers}", 2048).active_params

@@ -111,12 +111,38 @@ def fit_anchor(runs: Runs, base: LawParams, opts: SearchOptions = SearchOptions(
     return solve(x)[0]
 
 
+ANCHOR_COEFFICIENTS = ("z", "rho_K", "rho_A")
+
+
+def minimum_runs(runs: Runs, law: str = "reduced") -> dict[str, int]:
+    """The fewest runs each stage needs: one more than the coefficients it fits. Stage 1 (A = 1 runs)
+    fits e, u, w (and v for the full law) plus the exponents the data can identify (eta_N needs two
+    backbones, eta_L two sequence lengths); stage 2 (A != 1 runs) fits z, rho_K, rho_A, or is skipped
+    (z = 0) when there is no anchor run."""
+    base = runs.subset(runs.A == 1)
+    exponents = [n for n in BASE_EXPONENTS[law]
+                 if not (n == "eta_N" and len(set(base.backbone.tolist())) <= 1)
+                 and not (n == "eta_L" and len(set(base.L.tolist())) <= 1)]
+    linear = 4 if law == "full" else 3
+    return {"stage 1 (A = 1)": linear + len(exponents) + 1, "stage 2 (A != 1)": len(ANCHOR_COEFFICIENTS) + 1}
+
+
+def check_minimum_runs(runs: Runs, law: str = "reduced") -> None:
+    """Refuse, before any search, a sweep with fewer runs than a stage has coefficients to fit."""
+    need = minimum_runs(runs, law)
+    have = {"stage 1 (A = 1)": int((runs.A == 1).sum()), "stage 2 (A != 1)": int((runs.A != 1).sum())}
+    for stage, n in need.items():
+        if have[stage] < n and not (stage.startswith("stage 2") and have[stage] == 0):
+            raise ValueError(f"RUNS.csv: {stage} needs at least {n} sparse runs (one more than the coefficients it "
+                             f"fits), found {have[stage]}; add runs"
+                             + (" with A = 1 (the A-K term is defined relative to A = 1)" if stage.startswith("stage 1")
+                                else " with A != 1, or drop the anchor runs to fit the base law alone (z = 0)"))
+
+
 def fit_two_stage(runs: Runs, law: str = "reduced", opts: SearchOptions = SearchOptions(),
                   start: LawParams | None = None) -> LawParams:
     base_runs = runs.subset(runs.A == 1)
-    if len(base_runs) < 3:
-        raise ValueError(f"RUNS.csv: stage 1 needs A = 1 runs to fit the base law; found {len(base_runs)} "
-                         "(the A-K term is defined relative to A = 1)")
+    check_minimum_runs(runs, "reduced")
     base, _ = fit_base(base_runs, law, opts, start)
     return fit_anchor(runs, base, opts)
 

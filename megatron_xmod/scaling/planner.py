@@ -11,6 +11,7 @@ on D * phi/phi_D tokens, so its loss is L_dense(D * phi/phi_D) + Delta (Eq.37).
 from __future__ import annotations
 
 import csv
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
@@ -23,6 +24,31 @@ from megatron_xmod.scaling.design import Design, design
 from megatron_xmod.scaling.law import TABLE8, LawParams, asymptotic_exponents, predict_delta
 
 PAPER_A_GRID = (0.5, 1.0, 2.0, 3.0, 4.0, 5.0)  # the anchor sweep of the paper's scaling-law grid
+# Where the paper's law was fitted (its "Scaling law sweep grid"): the K-L sweep at 556M, A = 1, L = 2k..32k
+# (64k held out); the scale sweep at 32k, N_act = 165M..936M (1.65B held out); the anchor sweep at 165M, 32k,
+# A in 0.5..5 x K in {4, 8, 12, 16}. The default search stays inside K <= 16 and the A grid; outside, the
+# law extrapolates, and the planner says so.
+FITTED_RANGE = {"L": (2048, 32768), "N_act": (165e6, 936e6), "K": (1, 16), "A": (0.5, 5.0)}
+DEFAULT_K_MAX = FITTED_RANGE["K"][1]
+
+
+def outside_fitted_range(seq_len: int, n_act: float, K: int, A: Optional[float]) -> list[str]:
+    """One note per axis on which (L, N_act, K, A) leaves the law's fitted range."""
+    notes = []
+    lo, hi = FITTED_RANGE["L"]
+    if not lo <= seq_len <= hi:
+        notes.append(f"L = {seq_len} is outside the law's fitted range L = {lo}..{hi} (extrapolation)")
+    lo, hi = FITTED_RANGE["N_act"]
+    if not 0.95 * lo <= n_act <= 1.05 * hi:
+        notes.append(f"N_act = {n_act / 1e6:.0f}M is outside the law's fitted range {lo / 1e6:.0f}M..{hi / 1e6:.0f}M "
+                     "(extrapolation)")
+    if K > FITTED_RANGE["K"][1]:
+        notes.append(f"K = {K} is above the largest K the law was fitted on ({FITTED_RANGE['K'][1]}; the A-K term saw "
+                     "K in 4..16 only): extrapolation")
+    lo, hi = FITTED_RANGE["A"]
+    if A is not None and not lo <= A <= hi:
+        notes.append(f"A = {A:g} is outside the anchor strides the law was fitted on ({lo:g}..{hi:g}): extrapolation")
+    return notes
 
 
 @dataclass
@@ -71,6 +97,7 @@ class Plan:
             "backbone": self.backbone,
             **self.best.to_dict(),
             "asymptotic_exponents": self.exponents,
+            "fitted_range": {axis: list(bounds) for axis, bounds in FITTED_RANGE.items()},
             "infeasible": group_infeasible(self.infeasible),
             "num_over_budget": len(self.over_budget),
             "warnings": self.warnings,
@@ -100,12 +127,16 @@ def group_infeasible(items: list[dict]) -> list[dict]:
     return [{"A": a, "K": [it["K"] for it in its], "reason": its[0]["reason"]} for a, its in by_a.items()]
 
 
-def _delta(p: LawParams, d: Design, seq_len: int) -> float:
+def _delta(p: LawParams, d: Design, seq_len: int, n_act: Optional[float] = None) -> float:
+    """Predicted Delta of a design; 0 for the dense model, by definition (Delta is the loss change
+    against the FLOP-matched dense model; the law's bias e describes sparse runs only)."""
+    if d.K == 1:
+        return 0.0
     if p.v != 0:
         # Eq.(27): at equal compute the exposure ratio is (1/K) phi_D/phi; D_dense only sets a scale,
         # which a plan does not know, so the exposure term cannot be planned with. Say so.
         raise ValueError("law: the planner uses the practical law (v = 0); this law has an exposure term v > 0")
-    return float(predict_delta(p, d.count.active_params, d.capacity_ratio, seq_len, d.K, d.A or 1.0))
+    return float(predict_delta(p, n_act or d.count.active_params, d.capacity_ratio, seq_len, d.K, d.A or 1.0))
 
 
 def _candidate(backbone: Backbone, K: int, A, seq_len: int, dense_prefix: int, max_total_params,
@@ -123,7 +154,9 @@ def _candidate(backbone: Backbone, K: int, A, seq_len: int, dense_prefix: int, m
 
 
 def plan_flops(backbone: Backbone, seq_len: int, params: LawParams = TABLE8, a_grid: Sequence[float] = PAPER_A_GRID,
-               k_max: int = 64, dense_prefix: int = 4, max_total_params: Optional[float] = None) -> Plan:
+               k_max: int = DEFAULT_K_MAX, dense_prefix: int = 4, max_total_params: Optional[float] = None,
+               n_act: Optional[float] = None) -> Plan:
+    """``n_act``: the activated size the law's prefactor uses (default: the counted N_act of each design)."""
     if seq_len < 1:
         raise ValueError(f"seq_len: must be >= 1, got {seq_len}")
     if k_max < 2:
@@ -135,14 +168,16 @@ def plan_flops(backbone: Backbone, seq_len: int, params: LawParams = TABLE8, a_g
         for A in ([None] if K == 1 else a_grid):
             d = _candidate(backbone, K, A, seq_len, dense_prefix, max_total_params, infeasible, over)
             if d is not None:
-                options.append(Option(d, _delta(params, d, seq_len)))
+                options.append(Option(d, _delta(params, d, seq_len, n_act)))
     if not options:
         raise ValueError("max_total_params: no candidate fits; even the dense model has "
                          f"{design(backbone, 1, None, seq_len).count.total_params:,} parameters")
     best = min(options, key=lambda o: o.predicted_delta)
     warnings = []
     if best.design.K == k_max:
-        warnings.append(f"K^ = {k_max} is the edge of the search (k_max); the law's optimum may lie beyond it")
+        warnings.append(f"K^ = {k_max} is the edge of the search (--k-max)"
+                        + ("; it is also the largest K the law was fitted on, so a larger --k-max would extrapolate"
+                           if k_max == DEFAULT_K_MAX else "; the law's optimum may lie beyond it"))
     if seq_len % best.design.K:
         # Training routes exactly L/K tokens per sequence (routing.topk_count), so such a K cannot train.
         trainable = [o for o in options if seq_len % o.design.K == 0]
@@ -155,6 +190,7 @@ def plan_flops(backbone: Backbone, seq_len: int, params: LawParams = TABLE8, a_g
     if best.design.A is not None and len(a_grid) > 1 and best.design.A == max(a_grid):
         warnings.append(f"A^ = {best.design.A:g} is the largest A searched; the law (like the paper's Fig. 2d) "
                         "keeps rewarding larger A, so the optimum is the grid boundary, not a minimum")
+    warnings += outside_fitted_range(seq_len, n_act or best.design.n_act, best.design.K, best.design.A)
     return Plan("flops", seq_len, backbone.name, best, options, infeasible, over,
                 asymptotic_exponents(params), warnings)
 
@@ -162,6 +198,9 @@ def plan_flops(backbone: Backbone, seq_len: int, params: LawParams = TABLE8, a_g
 # --- wall-clock mode -----------------------------------------------------------------------------
 
 def read_table(path: str, required: Sequence[str], what: str) -> list[dict]:
+    if not os.path.isfile(path):
+        raise ValueError(f"{what} {path}: file not found; give the path of an existing CSV file "
+                         f"(columns: {', '.join(required)})")
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         columns = [c.strip() for c in (reader.fieldnames or [])]
@@ -214,7 +253,7 @@ class DenseCurve:
 
 def plan_wallclock(backbone: Backbone, seq_len: int, throughput_path: str, dense_curve: DenseCurve, hours: float,
                    params: LawParams = TABLE8, dense_prefix: int = 4,
-                   max_total_params: Optional[float] = None) -> Plan:
+                   max_total_params: Optional[float] = None, n_act: Optional[float] = None) -> Plan:
     if not hours > 0:
         raise ValueError(f"hours: must be > 0, got {hours}")
     rows = read_table(throughput_path, ("K", "A", "tokens_per_s"), "throughput file")
@@ -230,7 +269,7 @@ def plan_wallclock(backbone: Backbone, seq_len: int, throughput_path: str, dense
                        layout=row.get("layout") or None)
         if d is None:
             continue
-        delta = _delta(params, d, seq_len)
+        delta = _delta(params, d, seq_len, n_act)
         tokens = tps * hours * 3600
         loss = dense_curve(tokens * d.count.flops_ratio_vs_dense) + delta
         options.append(Option(d, delta, loss, tps))
@@ -242,5 +281,6 @@ def plan_wallclock(backbone: Backbone, seq_len: int, throughput_path: str, dense
     if flops_best is not best:
         warnings.append(f"the FLOPs-optimal configuration among these (K={flops_best.design.K}, A={flops_best.design.A}) "
                         "is not the wall-clock-optimal one")
+    warnings += outside_fitted_range(seq_len, n_act or best.design.n_act, best.design.K, best.design.A)
     return Plan("wallclock", seq_len, backbone.name, best, options, infeasible, over,
                 asymptotic_exponents(params), warnings)

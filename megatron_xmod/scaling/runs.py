@@ -4,12 +4,14 @@ Columns (header names are exact; order is free):
   required  L, N_act, K, A, C, tokens, loss
   one of    dense_loss (the FLOP-matched dense loss of Eq.11), or dense rows to interpolate it from:
             rows with K = 1 in RUNS.csv and/or a --dense-curve CSV with columns L, N_act, C, loss
-  optional  backbone (preset name; default: the preset matching N_act), dense_prefix (N0, default 4),
+  optional  backbone (a preset name or a backbone JSON file, relative to the CSV's folder or absolute;
+            default: the preset matching N_act), dense_prefix (N0, default 4),
             layout (explicit notation, for layouts Eq.(3) cannot express), dense_tokens (tokens the
             matched dense run saw; default tokens * phi/phi_D, equal compute)
 """
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -69,6 +71,18 @@ def _dense_reference(points: dict, key, C: float, where: str) -> float:
     return float(np.interp(np.log(C), np.log(cs), [p[1] for p in pts]))
 
 
+def _backbone_spec(text: str, csv_path: str) -> str:
+    """A backbone column: a preset name as written, or a JSON file made absolute (relative to the CSV)."""
+    if not text:
+        return ""
+    from megatron_xmod.presets import is_backbone_file
+
+    if is_backbone_file(text) or text.lower().endswith(".json"):
+        candidate = os.path.join(os.path.dirname(os.path.abspath(csv_path)), text)
+        return os.path.abspath(text if os.path.isfile(text) or not os.path.isfile(candidate) else candidate)
+    return text
+
+
 def load_runs(path: str, dense_curve: Optional[str] = None) -> Runs:
     rows = read_table(path, REQUIRED, "RUNS.csv")
     columns = set(rows[0]) if rows else set()
@@ -84,7 +98,15 @@ def load_runs(path: str, dense_curve: Optional[str] = None) -> Runs:
                  C=number(row, "C", where), tokens=number(row, "tokens", where), loss=number(row, "loss", where),
                  dense_prefix=int(number(row, "dense_prefix", where, positive=False)) if row.get("dense_prefix") else 4,
                  layout=row.get("layout") or None)
-        r["backbone"] = backbone_for(r["n_act"], row.get("backbone") or None).name
+        r["backbone"] = _backbone_spec(row.get("backbone") or "", path)
+        try:
+            b = backbone_for(r["n_act"], r["backbone"] or None)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        r["backbone"] = r["backbone"] or b.name
+        if K > 1 and int(r["L"]) % K:
+            raise ValueError(f"{where}: K: {K} does not divide L = {r['L']:g} (training routes exactly L/K tokens per "
+                             "sequence and refuses such a run); drop the row or fix K or L")
         if row.get("dense_loss"):
             r["dense_loss"] = number(row, "dense_loss", where)
         if row.get("dense_tokens"):
@@ -96,7 +118,9 @@ def load_runs(path: str, dense_curve: Optional[str] = None) -> Runs:
     if dense_curve:
         for i, row in enumerate(read_table(dense_curve, ("L", "N_act", "C", "loss"), "dense curve")):
             where = f"dense curve {dense_curve} row {i + 2}"
-            b = backbone_for(number(row, "N_act", where), row.get("backbone") or None).name
+            spec = _backbone_spec(row.get("backbone") or "", dense_curve)
+            b = spec or backbone_for(number(row, "N_act", where)).name
+            backbone_for(0.0, b)  # a named backbone must resolve
             dense_points[(number(row, "L", where), b)].append((number(row, "C", where), number(row, "loss", where)))
     if not parsed:
         raise ValueError(f"RUNS.csv {path}: no sparse runs (K > 1) to fit")

@@ -24,7 +24,9 @@ ANCHOR_SWEEP = dict(backbone="165m", L=32768, A=(0.5, 1.0, 2.0, 3.0, 4.0, 5.0), 
 
 
 def grid() -> list[tuple[str, int, int, float]]:
-    """(backbone, L, K, A) of every sparse run, without duplicates, skipping layouts that are not whole."""
+    """(backbone, L, K, A) of every sparse run, without duplicates. Cells whose K does not divide L
+    (training routes exactly L/K tokens and refuses them, so `xmod fit` does too) are left out here,
+    and :func:`synthetic_rows` skips layouts that are not whole."""
     cells = []
     for L in KL_SWEEP["L"]:
         cells += [(KL_SWEEP["backbone"], L, K, 1.0) for K in KL_SWEEP["K"] + (KL_SWEEP["extra_2k"] if L == 2048 else ())]
@@ -32,7 +34,7 @@ def grid() -> list[tuple[str, int, int, float]]:
         cells += [(b, SCALE_SWEEP["L"], K, 1.0) for K in SCALE_SWEEP["K"]]
     for A in ANCHOR_SWEEP["A"]:
         cells += [(ANCHOR_SWEEP["backbone"], ANCHOR_SWEEP["L"], K, A) for K in ANCHOR_SWEEP["K"]]
-    return list(dict.fromkeys(cells))
+    return [cell for cell in dict.fromkeys(cells) if cell[1] % cell[2] == 0]
 
 
 def dense_loss(n_act: float, L: int) -> float:
