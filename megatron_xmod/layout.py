@@ -306,12 +306,83 @@ NAMED_LAYOUTS = {
 
 _XMOD_NAME = re.compile(r"^xmod-a(\d+(?:\.\d+)?)k(\d+)$")
 
+# The stabiliser ablations of the X-MoD paper (its Table 3, 936M A1K16 reference, L = 32768, C = 1.5e20:
+# full 2.476; w/o dense anchors 2.579; w/o gated residual scaling 2.492; w/o token-choice bias 2.657;
+# w/o dense prefix 2.487), as suffixes of an ``xmod-a<A>k<K>`` name (combinable, e.g.
+# ``xmod-a1k16-no-bias``). Two change the layout (here), two the routing settings (:data:`ABLATION_SETTINGS`).
+ABLATIONS = {
+    "no-anchors": "w/o dense anchors: each anchor becomes K sparse layers (same activated depth; fewer FLOPs/token, "
+                  "since routed attention is cheaper); the sparse layers form one block, so the token-choice bias is "
+                  "never reset",
+    "no-bias": "w/o token-choice bias: tau = 0",
+    "no-gate-scale": "w/o gated residual scaling: varsigma fixed at 1, not learned",
+    "no-prefix": "w/o dense prefix: N0 = 0, N1 = activated depth / (1 + A)",
+}
+# XModConfig fields each settings ablation fixes (the entry point turns them into --xmod-* flags).
+ABLATION_SETTINGS = {
+    "no-bias": {"xmod_token_choice_bias_tau": 0.0},
+    "no-gate-scale": {"xmod_gate_scale_learnable": False, "xmod_gate_scale_init": 1.0},
+}
+
+
+def split_ablations(model: str) -> tuple[str, tuple[str, ...]]:
+    """``xmod-a1k16-no-bias-no-prefix`` -> (``xmod-a1k16``, (``no-bias``, ``no-prefix``)); other names
+    come back unchanged with no ablation. An ablation suffix on anything but ``xmod-a<A>k<K>`` is an error."""
+    base, found = model, []
+    while True:
+        for suffix in ABLATIONS:
+            if base.endswith("-" + suffix):
+                base = base[: -len(suffix) - 1]
+                found.append(suffix)
+                break
+        else:
+            break
+    if found and not _XMOD_NAME.match(base):
+        raise LayoutError(f"model: the ablations ({', '.join('-' + a for a in ABLATIONS)}) apply to X-MoD names "
+                          f"xmod-a<A>k<K>, e.g. xmod-a1k16-no-bias; got {model!r}")
+    if len(set(found)) != len(found):
+        raise LayoutError(f"model: {model!r} repeats an ablation suffix")
+    return base, tuple(reversed(found))
+
+
+def ablation_settings(model: str) -> dict:
+    """The XModConfig fields a model name's ablations fix ({} for none)."""
+    settings: dict = {}
+    for ablation in split_ablations(model)[1]:
+        settings.update(ABLATION_SETTINGS.get(ablation, {}))
+    return settings
+
+
+def without_anchors(layout: Layout) -> Layout:
+    """Every anchor of ``layout`` replaced by K sparse layers of the block's K (the activated depth and
+    FLOPs per token stay; the sparse layers merge into one block)."""
+    ks = []
+    for i, layer in enumerate(layout.layers):
+        if layer.kind == "anchor":
+            ks += [layout.layers[i - 1].sparsity_k] * layout.layers[i - 1].sparsity_k
+        else:
+            ks.append(layer.sparsity_k)
+    terms: list[tuple[int, int]] = []  # run-length: (K, count)
+    for k in ks:
+        if terms and terms[-1][0] == k:
+            terms[-1] = (k, terms[-1][1] + 1)
+        else:
+            terms.append((k, 1))
+    notation = " + ".join(("D" if k == 1 else f"S{k}") + (f"*{n}" if n > 1 else "") for k, n in terms)
+    return parse_layout(notation, layout.family)
+
 
 def layout_from_model_name(model: str, activated_depth: int = 28, dense_prefix: int = 4,
                            family: Optional[str] = None) -> Layout:
-    """``dense``, ``mod``, ``mod-k<K>``, ``xmod-a<A>k<K>`` or any layout notation (whose family is
-    ``family``, by default dense without sparse layers and xmod with them)."""
-    if model in NAMED_LAYOUTS and activated_depth == 28:
+    """``dense``, ``mod``, ``mod-k<K>``, ``xmod-a<A>k<K>`` (optionally with :data:`ABLATIONS` suffixes)
+    or any layout notation (whose family is ``family``, by default dense without sparse layers and
+    xmod with them)."""
+    base, ablations = split_ablations(model)
+    if ablations:
+        layout = layout_from_model_name(base, activated_depth, 0 if "no-prefix" in ablations else dense_prefix)
+        return without_anchors(layout) if "no-anchors" in ablations else layout
+    named_prefix = NAMED_LAYOUTS.get(model, ("",))[0] != "xmod" or dense_prefix == 4  # the named X-MoD layouts have N0 = 4
+    if model in NAMED_LAYOUTS and activated_depth == 28 and named_prefix:
         return parse_layout(NAMED_LAYOUTS[model][1], NAMED_LAYOUTS[model][0])
     if model == "dense":
         return resolve_layout("dense", activated_depth=activated_depth)
@@ -326,6 +397,6 @@ def layout_from_model_name(model: str, activated_depth: int = 28, dense_prefix: 
     if model[:1] in ("D", "S", "("):
         return parse_layout(model, family)
     raise LayoutError(
-        f"model: {model!r} is not one of dense, mod, mod-k<K>, xmod-a<A>k<K> (e.g. xmod-a4k8, xmod-a3k16), "
-        "or a layout such as 'D*4 + (S8*8 + D)*4'"
+        f"model: {model!r} is not one of dense, mod, mod-k<K>, xmod-a<A>k<K> (e.g. xmod-a4k8, xmod-a3k16, with "
+        f"optional ablations {', '.join('-' + a for a in ABLATIONS)}), or a layout such as 'D*4 + (S8*8 + D)*4'"
     )

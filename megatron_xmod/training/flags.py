@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_xmod.layout import ROUTING_FAMILIES, LayoutError, layout_from_model_name, resolve_layout
+from megatron_xmod.layout import (
+    ROUTING_FAMILIES,
+    LayoutError,
+    ablation_settings,
+    layout_from_model_name,
+    resolve_layout,
+)
 from megatron_xmod.moe.presets import is_moe_model_name
 from megatron_xmod.presets import BACKBONES, backbone_flags, resolve_backbone
 
@@ -125,6 +131,8 @@ def expand_arguments(argv: list[str]) -> list[str]:
     # From here on the layout is explicit: the config re-validates it against --num-layers.
     argv = drop_flags(argv, _LAYOUT_FLAGS)
     tail = ["--xmod-routing-family", layout.family, "--xmod-layout", layout.notation]
+    if pre.xmod_model and not is_moe_model_name(pre.xmod_model):
+        tail += ablation_flags(pre.xmod_model, argv)
     if pre.num_layers is None:
         head += ["--num-layers", str(layout.num_layers)]
     if layout.num_sparse_layers:
@@ -144,6 +152,28 @@ def expand_arguments(argv: list[str]) -> list[str]:
 
     # MoE presets size their experts from --ffn-hidden-size, which the backbone expansion provides.
     return expand_moe_arguments(head + argv + tail)
+
+
+def ablation_flags(model: str, argv: list[str]) -> list[str]:
+    """The --xmod-* flags of a model name's settings ablations (``-no-bias``: tau 0; ``-no-gate-scale``:
+    varsigma fixed at 1); refuses an explicit flag that contradicts them."""
+    settings = ablation_settings(model)
+    flags = []
+    if "xmod_token_choice_bias_tau" in settings:
+        flags += ["--xmod-token-choice-bias-tau", "0"]
+    if "xmod_gate_scale_learnable" in settings:
+        flags += ["--xmod-fixed-gate-scale", "--xmod-gate-scale-init", "1"]
+    explicit = scan_argv(argv)
+    if flags and "-no-bias" in model and explicit.xmod_token_choice_bias_tau != 0 and any(
+            a.split("=", 1)[0] == "--xmod-token-choice-bias-tau" for a in argv):
+        raise LayoutError(f"xmod_token_choice_bias_tau: {model!r} is the ablation without the token-choice bias "
+                          f"(tau = 0), but --xmod-token-choice-bias-tau {explicit.xmod_token_choice_bias_tau:g} was given; "
+                          "drop one of them")
+    if "-no-gate-scale" in model and any(a.split("=", 1)[0] == "--xmod-gate-scale-init" for a in argv) \
+            and explicit.xmod_gate_scale_init != 1:
+        raise LayoutError(f"xmod_gate_scale_init: {model!r} fixes varsigma at 1, but --xmod-gate-scale-init "
+                          f"{explicit.xmod_gate_scale_init:g} was given; drop one of them")
+    return flags
 
 
 def drop_flags(argv: list[str], flags: set[str]) -> list[str]:
