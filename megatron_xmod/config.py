@@ -117,22 +117,20 @@ class XModConfig(TransformerConfig):
 def check_routing_compatibility(config: TransformerConfig, token_choice_bias_tau: float) -> None:
     """Reject the megatron options a routed layer cannot run with, by field name; any
     ``TransformerConfig`` (a sparse layer checks the config it is built with)."""
-    # Routing needs every token of a sequence on this rank to rank them (top-k over L).
-    if config.sequence_parallel:
-        raise ValueError("sequence_parallel: routed layers rank tokens over the whole sequence; set sequence_parallel=False")
+    # Sequence parallelism is supported (the layer gathers the L router scores across the TP ranks);
+    # context parallelism is not.
     if config.context_parallel_size > 1:
         raise ValueError(
-            f"context_parallel_size: routed layers rank tokens over the whole sequence; must be 1, got {config.context_parallel_size}"
+            f"context_parallel_size: must be 1, got {config.context_parallel_size}: routed layers do not implement "
+            "context parallelism (their top-k ranks all L tokens of a sequence, and the routed tokens, which "
+            "attend only to each other, would land unevenly on megatron's load-balanced CP chunks and need "
+            "re-balancing for ring attention); split long sequences with tensor parallelism and "
+            "--sequence-parallel instead"
         )
     if config.apply_rope_fusion:
         raise ValueError(
             "apply_rope_fusion: routed layers apply RoPE at per-sequence gathered positions, which the "
             "fused kernel does not support; set apply_rope_fusion=False (--no-rope-fusion)"
-        )
-    if config.recompute_granularity == "full" and token_choice_bias_tau > 0:
-        raise ValueError(
-            "recompute_granularity: 'full' replays layers out of order, but the token-choice bias is "
-            "carried from layer to layer; use 'selective' or set xmod_token_choice_bias_tau=0"
         )
     if config.num_moe_experts is not None:
         raise ValueError("num_moe_experts: MoE feed-forward inside routed layers is not supported")

@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from megatron_xmod.memory import RecomputeReplay, RouterInputCarry
+
 EVAL_ROUTING_RULES = ("threshold", "topk")
 
 
@@ -40,6 +42,9 @@ class RoutingState:
         # Callables (layer_number, router logits, RoutingDecision) that see every sparse layer's routing
         # as it happens (the routing report's recorder, megatron_xmod.diagnostics); empty in training.
         self.observers: list[Callable] = []
+        # Routed layers' activation-memory and full-recompute hand-overs (megatron_xmod.memory).
+        self.router_inputs = RouterInputCarry()
+        self.recompute_replay = RecomputeReplay()
 
     # --- token-choice bias hand-over ---------------------------------------------------------------
     def take_bias(self, layer_number: int, shape: tuple[int, ...]):
@@ -77,6 +82,7 @@ class RoutingState:
 
     def reset(self) -> None:
         self._carry = None
+        self.router_inputs.clear()
         self._sums.clear()
         self._counts.clear()
         self._microbatch_losses.clear()

@@ -7,8 +7,14 @@ import torch
 
 
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """``[s, b, h]`` + ``[k, b]`` -> ``[k, b, h]``: the routed tokens of each sequence."""
-    return torch.gather(x, 0, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    """``[s, b, h]`` + ``[k, b]`` -> ``[k, b, h]``: the routed tokens of each sequence.
+
+    Rows of the flat ``[s*b, h]`` view: ``index_select`` keeps only the indices for its backward,
+    where ``torch.gather`` would keep the whole full-length input (activation memory of a routed layer).
+    """
+    k, b = indices.shape
+    rows = (indices * b + torch.arange(b, device=indices.device)).reshape(-1)
+    return x.reshape(-1, x.shape[-1]).index_select(0, rows).view(k, b, x.shape[-1])
 
 
 def scatter_gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
