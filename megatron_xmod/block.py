@@ -79,7 +79,6 @@ def get_xmod_decoder_block_spec(
     else:
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
         layer_ids = list(range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)))
-    _check_stage_boundary(config, layer_ids)
     if use_transformer_engine:
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -88,17 +87,3 @@ def get_xmod_decoder_block_spec(
         layer_norm = LNImpl
     return TransformerBlockSubmodules(layer_specs=[layer_specs[i] for i in layer_ids], layer_norm=layer_norm)
 
-
-def _check_stage_boundary(config: XModConfig, layer_ids: list[int]) -> None:
-    """The token-choice bias travels between layers inside one stage only: refuse a pipeline split
-    that starts this stage in the middle of a sparse block while the bias is in use."""
-    if not layer_ids or config.xmod_token_choice_bias_tau == 0:
-        return
-    layers = config.layer_layout.layers
-    first = layer_ids[0]
-    if first > 0 and layers[first].is_sparse and layers[first - 1].is_sparse:
-        raise ValueError(
-            f"pipeline_model_parallel_layout/num_layers_in_first_pipeline_stage: the stage starting at layer "
-            f"{first + 1} splits sparse block {layers[first].block}, and the token-choice bias cannot cross "
-            f"pipeline stages; move the boundary onto a dense anchor or set xmod_token_choice_bias_tau=0"
-        )

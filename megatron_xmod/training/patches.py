@@ -16,6 +16,8 @@ Each patch names the megatron line it targets (paths relative to ``megatron/core
 - 17, :func:`checkpoint_integrity` (every device): no save of non-finite weights, a checksum manifest
   after each save, verification before each load (:mod:`megatron_xmod.training.checkpoints`), and a
   message instead of a TypeError when megatron's exit path asks for a save without ``--save``.
+- 18, :func:`widen_pipeline_messages` (every device, PP > 1 with sparse layers): pipeline messages
+  carry the token-choice bias channels (:mod:`megatron_xmod.pipeline.carry`).
 - 19, :func:`checks_before_tokenizer` (every device): tokenizer files and output directories checked
   before megatron builds the tokenizer (no model-hub look-up) and the log writers.
 """
@@ -388,6 +390,31 @@ def checkpoint_integrity() -> None:
 
     save_checkpoint._xmod_integrity = True
     training.save_checkpoint, training.load_checkpoint = save_checkpoint, load_checkpoint
+
+
+def widen_pipeline_messages() -> None:
+    """18. pipeline_parallel/p2p_communication.py:275 ``P2PCommunicator._communicate`` allocates its
+    receive buffers with the schedule's ``tensor_shape`` = (seq, micro-batch, hidden_size)
+    (schedules.py:1157 interleaved, :2116 1F1B). Models whose chunks append the token-choice bias
+    channels (:mod:`megatron_xmod.pipeline.carry`) receive ``hidden_size + channels``; the count comes
+    from the model config the communicator holds. Installed once per process; other models unchanged."""
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    from megatron_xmod.pipeline.carry import carry_channels
+
+    original = p2p_communication.P2PCommunicator._communicate
+    if getattr(original, "_xmod_widened", False):
+        return
+
+    @functools.wraps(original)
+    def _communicate(self, *, tensor_shape, **kwargs):
+        extra = carry_channels(self.config)
+        if extra and tensor_shape is not None and len(tensor_shape) == 3 and tensor_shape[-1] == self.config.hidden_size:
+            tensor_shape = (*tensor_shape[:-1], tensor_shape[-1] + extra)
+        return original(self, tensor_shape=tensor_shape, **kwargs)
+
+    _communicate._xmod_widened = True
+    p2p_communication.P2PCommunicator._communicate = _communicate
 
 
 def checks_before_tokenizer() -> None:

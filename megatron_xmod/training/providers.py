@@ -30,11 +30,14 @@ def build_model(args, pre_process=True, post_process=True, vp_stage=None, pg_col
     build = build_gpt_model
     if config.num_moe_experts is not None:
         from megatron_xmod.moe.model import build_moe_gpt_model as build
-    return build(
+    model = build(
         config, args.padded_vocab_size, args.max_position_embeddings, pre_process=pre_process,
         post_process=post_process, rotary_base=args.rotary_base, vp_stage=vp_stage, pg_collection=pg_collection,
         use_transformer_engine=args.transformer_impl == "transformer_engine",
     )
+    from megatron_xmod.pipeline.carry import attach_boundary_carry
+
+    return attach_boundary_carry(model)  # the token-choice bias crosses pipeline stages (PP > 1)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
