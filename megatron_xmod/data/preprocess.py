@@ -19,6 +19,7 @@ import json
 import multiprocessing
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -54,35 +55,54 @@ def expand_inputs(inputs) -> list[Path]:
     return files
 
 
+def _not_utf8(path: Path, raw: bytes, error: UnicodeDecodeError, offset: int = 0, lineno: int = 1) -> DataError:
+    """Name the file, line and byte of the first byte that is not UTF-8, and what to do."""
+    position = offset + error.start
+    line = lineno + raw[:error.start].count(b"\n")
+    return DataError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {position}, "
+                     f"{raw[error.start:error.start + 4]!r}); convert the file, e.g. `iconv -f latin1 -t utf-8`")
+
+
 def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
     try:
-        # newline="" keeps \r\n as written, so the round trip is exact on Windows-style files too.
-        with open(path, encoding="utf-8", newline="") as f:
-            return f.read()
+        # Keep \r\n as written (no newline translation), so the round trip is exact on Windows-style files too.
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+        raise _not_utf8(path, raw, e) from None
+
+
+def _json_lines(path: Path):
+    """(line number, text, size in bytes) of a JSONL file; a line that is not UTF-8 is named."""
+    with open(path, "rb") as f:
+        offset = 0
+        for lineno, raw in enumerate(f, 1):
+            try:
+                yield lineno, raw.decode("utf-8"), len(raw)
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, raw, e, offset, lineno) from None
+            offset += len(raw)
 
 
 def iter_documents(files, jsonl_key: str = "text", split_blank_lines: bool = False):
     """Yield ``(text, source_bytes)``; ``source_bytes`` advances the progress bar by input size."""
     for path in files:
         if path.suffix.lower() in JSON_SUFFIXES:
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-                    if not isinstance(record, dict) or jsonl_key not in record:
-                        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                        raise DataError(f"{path}:{lineno}: no key {jsonl_key!r} (--jsonl-key); found {keys}")
-                    text = record[jsonl_key]
-                    if not isinstance(text, str):
-                        raise DataError(f"{path}:{lineno}: {jsonl_key!r} must be a string, "
-                                        f"got {type(text).__name__}")
-                    yield (text if text.strip() else ""), len(line.encode("utf-8"))
+            for lineno, line, line_size in _json_lines(path):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+                if not isinstance(record, dict) or jsonl_key not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f"{path}:{lineno}: no key {jsonl_key!r} (--jsonl-key); found {keys}")
+                text = record[jsonl_key]
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{lineno}: {jsonl_key!r} must be a string, "
+                                    f"got {type(text).__name__}")
+                yield (text if text.strip() else ""), line_size
             continue
         text = _read_text(path)
         size = path.stat().st_size
@@ -110,9 +130,52 @@ def _encode_in_worker(item):
     return _WORKER_TOKENIZER.encode(text), size
 
 
+MIN_SENTENCEPIECE_VOCAB = 300  # 256 byte pieces (byte fallback) + unk/bos/eos + a few merges
+
+
+def train_tokenizer_on(files, vocab_size: int, model_path: Path, jsonl_key: str = "text",
+                       split_blank_lines: bool = False) -> Path:
+    """Train a SentencePiece model of ``vocab_size`` pieces on the documents of ``files`` (the same
+    documents preprocessing reads, JSONL included); returns the ``.model`` path."""
+    import tempfile
+
+    from megatron_xmod.data.tokenizers import train_sentencepiece
+
+    if vocab_size < MIN_SENTENCEPIECE_VOCAB:
+        raise ValueError(f"train_tokenizer: {vocab_size} is too small (byte fallback alone takes 259 pieces); use at "
+                         f"least {MIN_SENTENCEPIECE_VOCAB}, e.g. 8000")
+    model_path = Path(model_path)
+    prefix = model_path.with_suffix("") if model_path.suffix == ".model" else model_path
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(tmp) / "documents.txt"
+        with open(text, "w", encoding="utf-8") as f:
+            for document, _ in iter_documents(files, jsonl_key, split_blank_lines):
+                if document:
+                    f.write(document.replace("\r\n", "\n") + "\n")
+        try:
+            return train_sentencepiece(text, vocab_size, prefix)
+        except RuntimeError as e:
+            raise ValueError(f"train_tokenizer: SentencePiece could not train {vocab_size} pieces on {len(files)} "
+                             f"file(s) ({str(e).strip()}); try a smaller --train-tokenizer") from None
+
+
+def pretrain_flags(result: dict) -> list[str]:
+    """The entry point's data and tokenizer flags that read what :func:`preprocess` wrote."""
+    from megatron_xmod.data.tokenizers import megatron_tokenizer_args
+    from megatron_xmod.training.preflight import working_split
+
+    split = working_split("98,1,1", result["documents"])
+    data = ["--data-path", result["prefix"]]
+    data += ["--split", split] if split else ["--split", "100,0,0", "--eval-iters", "0"]
+    return data + megatron_tokenizer_args(result["tokenizer"], result.get("tokenizer_model"))
+
+
 def preprocess(inputs, output_prefix, tokenizer: str = "gpt2", tokenizer_model=None, jsonl_key: str = "text",
-               workers: int = 1, split_blank_lines: bool = False, progress: bool = True) -> dict:
-    """Tokenize ``inputs`` into ``output_prefix.bin/.idx``; return ``{prefix, documents, tokens, ...}``."""
+               workers: int = 1, split_blank_lines: bool = False, progress: bool = True,
+               train_tokenizer: int | None = None) -> dict:
+    """Tokenize ``inputs`` into ``output_prefix.bin/.idx``; return ``{prefix, documents, tokens, ...}``.
+    ``train_tokenizer``: first train a SentencePiece model of that many pieces on ``inputs`` (written
+    to ``tokenizer_model``, default ``<output_prefix>_sentencepiece.model``)."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm import tqdm
 
@@ -120,7 +183,13 @@ def preprocess(inputs, output_prefix, tokenizer: str = "gpt2", tokenizer_model=N
         raise ValueError(f"unknown tokenizer {tokenizer!r} (--tokenizer); allowed: {', '.join(TOKENIZER_KINDS)}")
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
+    if train_tokenizer is not None and tokenizer != "sentencepiece":
+        raise ValueError(f"train_tokenizer: trains a SentencePiece model; add --tokenizer sentencepiece (got {tokenizer})")
     files = expand_inputs(inputs)
+    if train_tokenizer is not None:
+        tokenizer_model = train_tokenizer_on(files, train_tokenizer,
+                                             Path(tokenizer_model or f"{output_prefix}_sentencepiece.model"),
+                                             jsonl_key, split_blank_lines)
     tok = get_tokenizer(tokenizer, tokenizer_model)  # verifies hashes before any output exists
 
     prefix = Path(output_prefix)
@@ -163,7 +232,7 @@ def preprocess(inputs, output_prefix, tokenizer: str = "gpt2", tokenizer_model=N
                 leftover.unlink()
     return {"prefix": str(prefix), "bin": f"{prefix}.bin", "idx": f"{prefix}.idx", "documents": documents,
             "tokens": tokens, "tokenizer": tokenizer, "vocab_size": tok.vocab_size, "eod": tok.eod,
-            "files": len(files)}
+            "files": len(files), "tokenizer_model": None if tokenizer_model is None else str(tokenizer_model)}
 
 
 def register(subparsers) -> None:
@@ -176,6 +245,9 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece .model file (required for sentencepiece); for gpt2 an optional "
                         "gpt2.tiktoken file, which must still match the GPT-2 sha256")
+    p.add_argument("--train-tokenizer", type=int, default=None, metavar="VOCAB_SIZE",
+                   help="with --tokenizer sentencepiece: first train a SentencePiece model of this many pieces on "
+                        "the inputs, written to --tokenizer-model (default OUTPUT_PREFIX_sentencepiece.model)")
     p.add_argument("--jsonl-key", default="text", help="field holding the document text in .jsonl lines")
     p.add_argument("--split-blank-lines", action="store_true",
                    help="in plain-text files, every blank-line-separated block is a document")
@@ -187,7 +259,12 @@ def register(subparsers) -> None:
 def run(args) -> int:
     result = preprocess(args.input, args.output_prefix, tokenizer=args.tokenizer,
                         tokenizer_model=args.tokenizer_model, jsonl_key=args.jsonl_key, workers=args.workers,
-                        split_blank_lines=args.split_blank_lines, progress=not args.quiet)
+                        split_blank_lines=args.split_blank_lines, progress=not args.quiet,
+                        train_tokenizer=args.train_tokenizer)
+    if args.train_tokenizer is not None:
+        print(f"trained {result['tokenizer_model']} ({result['vocab_size']} pieces)")
     print(f"wrote {result['bin']} and {result['idx']}: {result['documents']} documents, "
           f"{result['tokens']} tokens ({result['tokenizer']}, vocab {result['vocab_size']}, eod {result['eod']})")
+    print("pretrain flags for this dataset (python -m megatron_xmod.pretrain ...):")
+    print("  " + " ".join(shlex.quote(flag) for flag in pretrain_flags(result)))
     return 0

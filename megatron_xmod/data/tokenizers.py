@@ -254,12 +254,19 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model_file: str | os.PathLike):
         model_file = Path(model_file)
         if not model_file.is_file():
-            raise TokenizerFileError(f"SentencePiece tokenizer: model file not found: {model_file} "
-                                     "(train one with megatron_xmod.data.tokenizers.train_sentencepiece)")
+            raise TokenizerFileError(f"SentencePiece tokenizer: model file not found: {model_file}; train one on your "
+                                     "corpus with `xmod preprocess --tokenizer sentencepiece --train-tokenizer "
+                                     "VOCAB_SIZE ...`")
         import sentencepiece as spm
 
         self.model_file = model_file
-        self._sp = spm.SentencePieceProcessor(model_file=str(model_file))
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(model_file))
+        except (RuntimeError, OSError) as e:  # sentencepiece's "Failed to parse" / "ParseFromArray failed"
+            raise TokenizerFileError(
+                f"SentencePiece tokenizer: {model_file} is not a SentencePiece model ({str(e).strip() or type(e).__name__}); "
+                "give the .model file SentencePiece wrote (not the .vocab), or train one with "
+                "`xmod preprocess --tokenizer sentencepiece --train-tokenizer VOCAB_SIZE ...`") from None
         self.vocab_size = self._sp.get_piece_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
