@@ -3,9 +3,14 @@ tests: ``reliability_faults.py FAULT [entry-point arguments]``.
 
 - ``nan-router:N``: the router weight of sparse layer N is NaN from the start (a corrupted weight
   that training must name instead of routing garbage).
+- ``kill-during-save:N``: at the save of iteration N, once megatron's distributed checkpoint wrote
+  its files and before megatron's tracker names it, the largest file is cut to half its size and
+  the process kills itself with SIGKILL (a node lost in the middle of a save).
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 import torch
@@ -27,11 +32,30 @@ def _nan_router(layer_number: int) -> None:
     providers.build_model = build_model
 
 
+def _kill_during_save(iteration: int) -> None:
+    from megatron.core import dist_checkpointing
+
+    save = dist_checkpointing.save
+
+    def save_then_die(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        result = save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        if os.path.basename(os.path.normpath(str(checkpoint_dir))) == f"iter_{iteration:07d}":
+            files = [os.path.join(root, name) for root, _, names in os.walk(checkpoint_dir) for name in names]
+            largest = max(files, key=os.path.getsize)
+            os.truncate(largest, os.path.getsize(largest) // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    dist_checkpointing.save = save_then_die
+
+
 def main() -> None:
     fault, argv = sys.argv[1], sys.argv[2:]
     kind, _, value = fault.partition(":")
     if kind == "nan-router":
         _nan_router(int(value))
+    elif kind == "kill-during-save":
+        _kill_during_save(int(value))
     else:
         raise SystemExit(f"fault: unknown {fault!r}")
     from megatron_xmod import pretrain

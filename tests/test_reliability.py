@@ -185,15 +185,20 @@ def test_tokenizer_files_are_named(tmp_path):
 
 
 def test_hub_tokenizer_is_never_fetched(monkeypatch):
+    from huggingface_hub import constants
+
     from megatron_xmod.training.preflight import check_before_megatron_setup
 
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "")  # recorded, so the test's changes are undone afterwards
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     args = tokenizer_args(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="no-such-org/no-such-model-xmod",
                           save=None, tensorboard_dir=None, wandb_save_dir=None, data_cache_path=None)
     with pytest.raises(ValueError, match="tokenizer_model: --tokenizer-model no-such-org/no-such-model-xmod is neither "
                                          "a local directory nor in the HF cache"):
         check_before_megatron_setup(args)
-    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and constants.HF_HUB_OFFLINE is True
 
 
 def test_unwritable_outputs_are_named(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Optional
@@ -53,6 +54,9 @@ def check_before_megatron_setup(args) -> None:
     """What must hold before megatron builds the tokenizer and the log writers (patch 19)."""
     for name in _HUB_VARIABLES:  # tokenizer files are local: never wait on a model hub
         os.environ.setdefault(name, "1")
+    hub = sys.modules.get("huggingface_hub.constants")  # reads the variable once, at import
+    if hub is not None and os.environ["HF_HUB_OFFLINE"] == "1":
+        hub.HF_HUB_OFFLINE = True
     check_tokenizer(args)
     check_outputs(args)
 
