@@ -20,15 +20,14 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_xmod.attention import SDPAttention
 from megatron_xmod.config import check_routing_compatibility
+from megatron_xmod.kernels import routing_step
 from megatron_xmod.memory import flat_rows, recompute_phase, router_logits
 from megatron_xmod.permute import gather_tokens, scatter_gated
 from megatron_xmod.routing import (
     SparseLayerRouting,
     jaccard_tensor,
     padded_selection,
-    route,
     router_bce_loss,
-    update_token_choice_bias,
 )
 from megatron_xmod.routing_state import RoutingState
 
@@ -141,10 +140,11 @@ class XModSparseLayer(TransformerLayer):
         carried_bias, previous_selected = self._take_bias(state, (seq_len, batch), phase)
         rule = "topk" if self.training else state.eval_rule
         tau = routing.effective_tau(state.iteration)  # during a training run the warm-up's value, else the full tau
-        decision = route(logits, routing.sparsity_k, rule, carried_bias, tau)
+        # Eq.(8) adjustment, top-k in position order, bias update: one fused kernel on GPU (megatron_xmod.kernels).
+        decision, bias, _ = routing_step(logits, routing.sparsity_k, rule, carried_bias, tau,
+                                         routing.token_choice_bias_increment, need_gate=False)
         state.observe(self.layer_number, logits, decision)
         state.record("nonfinite_router_logits", self.layer_number, (~torch.isfinite(logits)).sum())  # no host sync
-        bias = update_token_choice_bias(carried_bias, decision.selected, routing.token_choice_bias_increment)
         state.put_bias(self.layer_number, bias, decision.selected)
         if phase != "replay":  # a recomputed layer was recorded in its first pass
             self._record_metrics(state, decision, bias, previous_selected)
