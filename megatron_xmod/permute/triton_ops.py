@@ -115,7 +115,8 @@ def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     out = torch.empty((k, b, h), dtype=x.dtype, device=x.device)
     if k * b and h:
         bh = _block_h(h)
-        _gather_kernel[(k * b,)](x, idx, out, s, b, h, BLOCK_H=bh, num_warps=_num_warps(bh))
+        with torch.profiler.record_function("triton::gather"):  # bench/ops.py counts these launches
+            _gather_kernel[(k * b,)](x, idx, out, s, b, h, BLOCK_H=bh, num_warps=_num_warps(bh))
     return out
 
 
@@ -124,10 +125,11 @@ def scatter_add_gated(x, y: torch.Tensor, gate, idx: torch.Tensor, s: int) -> to
     out = torch.empty((s, b, h), dtype=y.dtype, device=y.device)
     if s * b and h:
         bh = _block_h(h)
-        _scatter_add_gated_kernel[(s * b,)](
-            x if x is not None else y, y, gate if gate is not None else y, idx, out, s, k, b, h,
-            HAS_X=x is not None, HAS_GATE=gate is not None, LOG_K=max(int(k).bit_length(), 1),
-            BLOCK_H=bh, num_warps=_num_warps(bh))
+        with torch.profiler.record_function("triton::scatter_add_gated"):
+            _scatter_add_gated_kernel[(s * b,)](
+                x if x is not None else y, y, gate if gate is not None else y, idx, out, s, k, b, h,
+                HAS_X=x is not None, HAS_GATE=gate is not None, LOG_K=max(int(k).bit_length(), 1),
+                BLOCK_H=bh, num_warps=_num_warps(bh))
     return out
 
 
@@ -137,7 +139,8 @@ def scatter_backward(go, y, gate, idx, need_y: bool, need_gate: bool):
     gg = torch.zeros_like(gate) if need_gate else None
     if (need_y or need_gate) and k * b and h:
         bh = _block_h(h)
-        _scatter_backward_kernel[(k * b,)](
-            go, y, gate, idx, gy if need_y else y, gg if need_gate else gate, go.shape[0], b, h,
-            NEED_Y=need_y, NEED_GATE=need_gate, BLOCK_H=bh, num_warps=_num_warps(bh))
+        with torch.profiler.record_function("triton::scatter_backward"):
+            _scatter_backward_kernel[(k * b,)](
+                go, y, gate, idx, gy if need_y else y, gg if need_gate else gate, go.shape[0], b, h,
+                NEED_Y=need_y, NEED_GATE=need_gate, BLOCK_H=bh, num_warps=_num_warps(bh))
     return gy, gg

@@ -1,0 +1,231 @@
+"""Framework ops of one routed layer vs one dense layer, forward and backward (issue 15, point 2).
+
+Hundreds of thin routed layers are launch-bound when each one issues many small ops: this counts
+them. One model ``D + S8*2 + D`` (X-MoD) and one ``D + (S8 + D)`` (MoD) are built through
+megatron_xmod's builders; the profiled layers are the dense layer, the X-MoD sparse layer that
+receives the carried token-choice bias (the common case: 24-32 consecutive sparse layers a
+block), and the MoD sparse layer. Each is run once unprofiled (warm-up), then forward and backward
+are profiled separately.
+
+- CPU: ``torch.profiler`` op events. An op counts if no enclosing event is an op itself (what the
+  Python code and the autograd engine dispatch); each ``triton::*`` region counts as one launch.
+  ``ops`` counts every op, ``kernels`` leaves out the ops that launch no kernel on a GPU (views,
+  reshapes, ``empty``: see VIEW_OPS); under ``TRITON_INTERPRET=1`` the fused paths run the real
+  Triton kernels through the interpreter, so the counts are those a GPU would launch.
+- GPU (``--device cuda``): CUDA kernel events per layer call, what the device really launched.
+
+    python bench/ops.py                       # both paths on CPU, writes bench/results/ops_cpu_<date>.*
+    python bench/ops.py --paths torch         # only the torch path (no Triton needed)
+
+Paths: ``torch`` (routing step and permutation in plain torch), ``fused`` (the Triton routing step
+of megatron_xmod.kernels and the Triton permutation kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+VIEW_OPS = {
+    "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::squeeze", "aten::unsqueeze", "aten::expand",
+    "aten::permute", "aten::transpose", "aten::t", "aten::slice", "aten::select", "aten::as_strided",
+    "aten::alias", "aten::detach", "aten::detach_", "aten::empty", "aten::empty_like", "aten::empty_strided",
+    "aten::lift_fresh", "aten::split", "aten::chunk", "aten::unbind", "aten::narrow", "aten::flatten",
+    "aten::contiguous", "aten::numpy_T", "aten::resolve_conj", "aten::resolve_neg", "aten::result_type",
+    "aten::is_nonzero", "aten::_reshape_alias", "aten::view_as", "aten::expand_as", "aten::unflatten",
+}
+PATHS = ("torch", "fused")
+LAYERS = ("dense", "xmod_sparse", "mod_sparse")
+
+
+def _top_level(events):
+    """Op events whose ancestors are no op (aten::*) and no launch region (triton::*)."""
+    kept = []
+    for ev in events:
+        name = ev.name
+        if not (name.startswith("aten::") or name.startswith("triton::")):
+            continue
+        parent, nested = ev.cpu_parent, False
+        while parent is not None:
+            if parent.name.startswith("aten::") or parent.name.startswith("triton::"):
+                nested = True
+                break
+            parent = parent.cpu_parent
+        if not nested:
+            kept.append(name)
+    return kept
+
+
+def _origin(ev) -> str:
+    """Innermost megatron_xmod (else megatron) Python frame above an op (the profiler records
+    frames as parent events): where the op comes from."""
+    frames, parent = [], ev.cpu_parent
+    while parent is not None:
+        if "(" in parent.name and ".py(" in parent.name:
+            frames.append(parent.name)
+        parent = parent.cpu_parent
+    for marker, prefix in (("megatron_xmod/", ""), ("megatron/core/", "megatron/")):
+        for frame in frames:
+            if marker in frame and "/kernels/triton" not in frame and "/permute/triton" not in frame:
+                path, func = frame.split(marker, 1)[1].split("(", 1)[0], frame.rsplit(": ", 1)[-1]
+                return f"{prefix}{path}:{func}"
+    return "autograd engine" if not frames else "other"
+
+
+def profile_layer(layer, hidden, rope, device, before=None):
+    """(forward record, backward record) of one call of ``layer``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    grad = torch.randn_like(hidden)
+    records = []
+    for phase in ("forward", "backward"):
+        if before is not None:
+            before()
+        x = hidden.detach().clone().requires_grad_(True)
+        if phase == "forward":
+            with profile(activities=activities, with_stack=True) as prof:
+                out, _ = layer(x, attention_mask=None, rotary_pos_emb=rope)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+        else:
+            out, _ = layer(x, attention_mask=None, rotary_pos_emb=rope)
+            with profile(activities=activities, with_stack=True) as prof:
+                out.backward(grad)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+        events = prof.events()
+        names = _top_level(events)
+        origins = collections.Counter()
+        for ev in events:
+            if ev.name in names and ev.name not in VIEW_OPS and _is_top(ev):
+                origins[_origin(ev)] += 1
+        record = dict(phase=phase, ops=len(names), kernels=sum(n not in VIEW_OPS for n in names),
+                      by_name=dict(collections.Counter(names).most_common()), by_origin=dict(origins.most_common()))
+        if device.type == "cuda":
+            record["cuda_kernels"] = sum(1 for ev in events if ev.device_type.name == "CUDA")
+        records.append(record)
+    return records
+
+
+def _is_top(ev):
+    parent = ev.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(("aten::", "triton::")):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def _set_path(path):
+    from megatron_xmod import kernels, permute
+
+    os.environ[kernels.ENV_BACKEND] = "triton" if path == "fused" else "torch"
+    permute.set_backend("triton" if path == "fused" else "torch")
+
+
+def measure(paths, device_name="cpu", seq_len=64, batch=2):
+    import torch
+
+    from megatron_xmod.model import build_gpt_model, config_from_backbone
+    from megatron_xmod.presets import Backbone
+
+    device = torch.device(device_name)
+    backbone = Backbone("ops", hidden_size=128, head_dim=32, num_attention_heads=4, num_query_groups=2,
+                        ffn_hidden_size=256, num_layers=4, vocab_size=256, rotary_base=10000)
+    models = {}
+    for family, layout in (("xmod", "D + S8*2 + D"), ("mod", "D + (S8 + D)")):
+        config = config_from_backbone(backbone, layout, use_cpu_initialization=device.type == "cpu",
+                                      xmod_routing_family=family)
+        models[family] = build_gpt_model(config, backbone.vocab_size, seq_len, rotary_base=backbone.rotary_base).to(device)
+    xmod_layers = models["xmod"].decoder.layers
+    rope = models["xmod"].rotary_pos_emb(seq_len)
+    hidden = torch.randn(seq_len, batch, backbone.hidden_size, device=device)
+
+    def carry_from_first_sparse():  # the profiled X-MoD layer takes the bias of the layer before it
+        xmod_layers[1](hidden, attention_mask=None, rotary_pos_emb=rope)
+
+    targets = {"dense": (xmod_layers[0], None), "xmod_sparse": (xmod_layers[2], carry_from_first_sparse),
+               "mod_sparse": (models["mod"].decoder.layers[1], None)}
+    results = []
+    for path in paths:
+        _set_path(path)
+        for name, (layer, before) in targets.items():
+            layer.train()
+            for _ in range(2):  # warm-up (Triton compiles, megatron allocates its buffers)
+                if before:
+                    before()
+                out, _ = layer(hidden.clone().requires_grad_(True), attention_mask=None, rotary_pos_emb=rope)
+                out.sum().backward()
+            for rec in profile_layer(layer, hidden, rope, device, before):
+                results.append(dict(path=path, layer=name, **rec))
+    _set_path("torch")
+    os.environ.pop("XMOD_ROUTING_BACKEND", None)
+    return results
+
+
+def render_markdown(meta, rows):
+    out = [f"# Framework ops per layer call ({meta['device']})", "", f"- date: {meta['date']}",
+           f"- commit: {meta['commit']}", f"- torch {meta['torch']}, triton {meta['triton']}",
+           f"- sizes: L={meta['seq_len']}, b={meta['batch']}, h=128 (op counts do not depend on size)",
+           "- ops: top-level framework ops (torch.profiler); kernels: those that launch work on a GPU "
+           "(views/reshapes/empty left out); each triton:: region is one launch", ""]
+    if meta.get("interpreted"):
+        out += ["The fused path ran under TRITON_INTERPRET=1: the same Triton launches a GPU makes, run by "
+                "the interpreter.", ""]
+    out += ["| path | layer | phase | ops | kernels | kernels vs dense |", "|---|---|---|---:|---:|---:|"]
+    dense = {(r["path"], r["phase"]): r["kernels"] for r in rows if r["layer"] == "dense"}
+    for r in rows:
+        ratio = r["kernels"] / dense[(r["path"], r["phase"])]
+        out.append(f"| {r['path']} | {r['layer']} | {r['phase']} | {r['ops']} | {r['kernels']} | {ratio:.2f}x |")
+    out += ["", "## Where the X-MoD sparse layer's kernels come from", ""]
+    for r in rows:
+        if r["layer"] == "xmod_sparse":
+            origins = ", ".join(f"{k} {v}" for k, v in r["by_origin"].items())
+            out.append(f"- {r['path']} {r['phase']}: {origins}")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--tag", default=None, help="result name: ops_<tag>.json/.md (default <device>_<date>)")
+    a = p.parse_args(argv)
+    import torch
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        p.error(f"--device: {device!r} is not cpu or cuda")
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if "fused" in a.paths and device == "cpu" and not interpreted:
+        p.error("--paths fused: on CPU the Triton kernels need TRITON_INTERPRET=1 set before the run; "
+                "set it or pass --paths torch")
+    from bench.throughput import run_meta, single_rank_megatron
+
+    with single_rank_megatron():
+        rows = measure(a.paths, device, a.seq_len, a.batch)
+    meta = run_meta(device, dict(seq_len=a.seq_len, batch=a.batch, interpreted=interpreted and device == "cpu"))
+    tag = a.tag or f"{device}_{dt.datetime.now(dt.UTC).strftime('%Y%m%d')}"
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"ops_{tag}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    text = render_markdown(meta, rows)
+    with open(os.path.join(a.out, f"ops_{tag}.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

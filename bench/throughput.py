@@ -1,0 +1,420 @@
+"""End-to-end training and evaluation tokens/s of Dense, MoD, X-MoD A4K8 and A3K16 (the X-MoD
+paper's Table 11), through the real megatron model, schedule and optimizer step.
+
+Every model is built at the same activated depth (the backbone's ``num_layers``, 28 for Table 4)
+by megatron_xmod's builders, wrapped like megatron's training loop wraps it (Float16Module for
+bf16, megatron's DistributedDataParallel, the DistributedOptimizer from
+``get_megatron_optimizer``, ``finalize_model_grads``) on a single-rank process group, and timed
+over whole steps: ``forward_backward_func`` (forward + backward) then ``optimizer.step()``.
+Evaluation is ``forward_only`` under the top-k rule (a fresh router's threshold rule would route
+about half of the tokens, not the 1/K a trained router routes).
+
+For each model it prints tokens/s, the ratio to Dense, the FLOP-ideal ratio (Dense FLOPs per
+token / the model's, from megatron_xmod.accounting) and the fraction of it achieved, and writes
+bench/results/throughput_<machine>_<date>.json and .md.
+
+    python bench/throughput.py                    # GPU: L=32768, largest Table 4 backbone that fits
+    python bench/throughput.py --device cpu       # CPU: small backbone, L=2048
+    python bench/throughput.py --tiny             # seconds, for the CI test and gpu_check.sh --cpu
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from megatron_xmod.accounting import count  # noqa: E402
+from megatron_xmod.presets import BACKBONES, Backbone, get_backbone, parse_model  # noqa: E402
+
+MODELS = ("dense", "mod", "xmod-a4k8", "xmod-a3k16")
+# CPU: the Table 4 shape (GQA 2:1, SwiGLU 3x, 28 activated layers) at a width a 2-core CPU can step.
+CPU_BACKBONE = Backbone("cpu-256", hidden_size=256, head_dim=64, num_attention_heads=4, num_query_groups=2,
+                        ffn_hidden_size=768, num_layers=28, vocab_size=1024, rotary_base=10000)
+TINY_BACKBONE = Backbone("tiny-32", hidden_size=32, head_dim=16, num_attention_heads=2, num_query_groups=1,
+                         ffn_hidden_size=64, num_layers=28, vocab_size=128, rotary_base=10000)
+# bytes per parameter with the distributed optimizer on one rank: bf16 param, fp32 grad, fp32 main
+# param, Adam m and v.
+BYTES_PER_PARAM = 2 + 4 + 4 + 8
+
+
+# ------------------------------------------------------------------------------------ set-up
+
+@contextlib.contextmanager
+def single_rank_megatron(seed: int = 1234):
+    """megatron-core's model-parallel state on a one-rank process group (gloo on CPU, nccl on GPU),
+    with the CPU patches where there is no GPU."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_xmod.training.patches import cpu_patches
+
+    with cpu_patches(training=False):
+        if not torch.distributed.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            torch.distributed.init_process_group(backend, rank=0, world_size=1)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        yield parallel_state
+
+
+def machine_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    return f"{os.cpu_count()}-core CPU ({model}), no GPU"
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "megatron_xmod", "bench", "csrc"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def loadavg():
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def run_meta(device, extra: dict) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return dict(date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), device=machine_name(torch.device(device)),
+                device_type=torch.device(device).type, commit=git_commit(), torch=torch.__version__,
+                cuda=torch.version.cuda, triton=triton_version, python=sys.version.split()[0], loadavg=loadavg(),
+                **extra)
+
+
+# ------------------------------------------------------------------------------------ models
+
+def model_config(backbone: Backbone, name: str, device: torch.device, bf16: bool):
+    from megatron_xmod.model import config_from_backbone
+
+    dtype = {"params_dtype": torch.bfloat16, "bf16": True} if bf16 else {}
+    return config_from_backbone(backbone, name, use_cpu_initialization=device.type == "cpu", **dtype)
+
+
+def build_training(backbone: Backbone, name: str, seq_len: int, device: torch.device, bf16: bool):
+    """(wrapped model, optimizer, config): what megatron.training's setup_model_and_optimizer makes."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_xmod.model import build_gpt_model
+
+    config = model_config(backbone, name, device, bf16)
+    model = build_gpt_model(config, backbone.vocab_size, seq_len, rotary_base=backbone.rotary_base)
+    if device.type == "cuda":
+        model = model.cuda()
+    if bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+                                               overlap_grad_reduce=False)
+    model = DistributedDataParallel(config, ddp_config, model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, bf16=bf16, params_dtype=config.params_dtype,
+                        use_distributed_optimizer=True, clip_grad=1.0), [model])
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    return model, optimizer, config
+
+
+def forward_step(data_iterator, model):
+    tokens, labels, position_ids = next(data_iterator)
+    output = model(tokens, position_ids, None, labels=labels)  # per-token LM loss [b, s]
+
+    def loss_func(per_token):
+        loss = per_token.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return output, loss_func
+
+
+def batches(backbone: Backbone, seq_len: int, micro_batch: int, device: torch.device, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    position_ids = torch.arange(seq_len).expand(micro_batch, seq_len).to(device)
+    while True:
+        tokens = torch.randint(0, backbone.vocab_size, (micro_batch, seq_len + 1), generator=gen).to(device)
+        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), position_ids
+
+
+def free_memory(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_model(backbone, name, seq_len, micro_batch, device, bf16, warmup, steps, eval_steps) -> dict:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_xmod import kernels
+    from megatron_xmod.routing_state import eval_routing, report
+
+    model, optimizer, config = build_training(backbone, name, seq_len, device, bf16)
+    data = batches(backbone, seq_len, micro_batch, device)
+    forward_backward = get_forward_backward_func()
+    common = dict(forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=1,
+                  seq_length=seq_len, micro_batch_size=micro_batch)
+    launches_before = dict(kernels.launch_counts)
+
+    def train_step():
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(forward_only=False, **common)
+        ok, grad_norm, _ = optimizer.step()
+        return losses[0]["lm loss"], grad_norm
+
+    def eval_step():
+        with torch.no_grad():
+            return forward_backward(forward_only=True, **common)[0]["lm loss"]
+
+    model.train()
+    train_times, train_losses = [], []
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        loss, grad_norm = train_step()
+        _sync(device)
+        if i >= warmup:
+            train_times.append(time.perf_counter() - t0)
+            train_losses.append(float(loss))
+    routing = report(model) if name != "dense" else {}
+    model.eval()
+    eval_times = []
+    with eval_routing(model, "topk"):
+        for i in range(1 + eval_steps):  # one untimed warm-up step
+            _sync(device)
+            t0 = time.perf_counter()
+            eval_step()
+            _sync(device)
+            if i >= 1:
+                eval_times.append(time.perf_counter() - t0)
+    model.train()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    launched = {k: v - launches_before.get(k, 0) for k, v in kernels.launch_counts.items() if v - launches_before.get(k, 0)}
+    num_params = sum(p.numel() for p in model.parameters())
+    tokens = seq_len * micro_batch
+    return dict(train_step_s=train_times, eval_step_s=eval_times, train_loss=train_losses,
+                train_tok_s=tokens / statistics.median(train_times), eval_tok_s=tokens / statistics.median(eval_times),
+                selected_fraction=routing.get("selected_fraction"), peak_gib=peak, params=num_params,
+                routing_step_calls=launched, grad_norm=float(grad_norm) if grad_norm is not None else None)
+
+
+# ------------------------------------------------------------------------------------ sizing
+
+def estimated_gib(backbone: Backbone, name: str, seq_len: int, micro_batch: int) -> float:
+    """A rough upper estimate of one training step's memory (optimizer state + activations)."""
+    description = parse_model(name, backbone)
+    params = count(description, seq_len).total_params
+    tokens, h = seq_len * micro_batch, backbone.hidden_size
+    activations = 0.0
+    for layer in description.layout.layers:
+        routed = tokens * float(layer.routed_fraction)
+        # ~24 saved bf16 values per routed token and hidden unit (norms, qkv, SwiGLU, flash attention)
+        # plus, for a sparse layer, its full-length output and router input.
+        activations += routed * h * 2 * 24 + (2 * tokens * h * 2 if layer.is_sparse else 0)
+    logits = tokens * backbone.vocab_size * 4 * 3
+    return (params * BYTES_PER_PARAM + activations + logits) / 2**30
+
+
+def pick_backbone(models, seq_len, micro_batch, device, requested: str | None):
+    """The requested backbone, or on a GPU the largest Table 4 backbone all models are estimated to fit."""
+    if requested:
+        return [get_backbone(requested) if requested not in (CPU_BACKBONE.name, TINY_BACKBONE.name) else
+                {CPU_BACKBONE.name: CPU_BACKBONE, TINY_BACKBONE.name: TINY_BACKBONE}[requested]]
+    if device.type != "cuda":
+        return [CPU_BACKBONE]
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    fitting = [b for b in sorted(BACKBONES.values(), key=lambda b: -b.hidden_size)
+               if max(estimated_gib(b, m, seq_len, micro_batch) for m in models) < 0.9 * total]
+    return fitting or [min(BACKBONES.values(), key=lambda b: b.hidden_size)]
+
+
+# ------------------------------------------------------------------------------------ report
+
+def ideal_ratios(backbone: Backbone, models, seq_len: int) -> dict:
+    return {m: count(parse_model(m, backbone), seq_len).tokens_ratio_vs_dense for m in models}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    dense = next((r for r in rows if r["model"] == "dense"), None)
+    for r in rows:
+        for phase in ("train", "eval"):
+            ratio = r[f"{phase}_tok_s"] / dense[f"{phase}_tok_s"] if dense else None
+            r[f"{phase}_ratio"] = ratio
+            r[f"{phase}_fraction_of_ideal"] = ratio / r["ideal_ratio"] if ratio is not None else None
+    return rows
+
+
+def render_markdown(meta: dict, rows: list[dict]) -> str:
+    b = meta["backbone"]
+    out = [f"# Throughput: Dense, MoD, X-MoD at equal activated depth ({meta['device']})", "",
+           f"- date: {meta['date']}; commit {meta['commit']}; torch {meta['torch']} (CUDA {meta['cuda']}), "
+           f"triton {meta['triton']}",
+           f"- backbone {b['name']} (h={b['hidden_size']}, heads {b['num_attention_heads']}/{b['num_query_groups']}, "
+           f"ffn {b['ffn_hidden_size']}, activated depth {b['num_layers']}, vocab {b['vocab_size']}); "
+           f"L={meta['seq_len']}, micro-batch {meta['micro_batch']}, {meta['dtype']}",
+           f"- per model: {meta['warmup']} warm-up + {meta['steps']} timed training steps (forward, backward, "
+           f"DistributedOptimizer Adam step; median), {meta['eval_steps']} evaluation steps (forward only, top-k rule)",
+           f"- routing step backend: {meta['routing_backend']}; permutation backend: {meta['permute_backend']}",
+           f"- load average before/after (1/5/15 min): {meta['loadavg_start']} / {meta['loadavg']}", "",
+           "| model | layers | params | train tok/s | vs Dense | FLOP-ideal | of ideal | eval tok/s | vs Dense | of ideal |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        out.append(f"| {r['model']} | {r['num_layers']} | {r['params'] / 1e6:.1f}M | {r['train_tok_s']:.0f} | "
+                   f"{f(r['train_ratio'], '.2f')}x | {r['ideal_ratio']:.2f}x | {f(r['train_fraction_of_ideal'], '.0%')} | "
+                   f"{r['eval_tok_s']:.0f} | {f(r['eval_ratio'], '.2f')}x | {f(r['eval_fraction_of_ideal'], '.0%')} |")
+    out += ["", "FLOP-ideal: Dense forward FLOPs per token / the model's (megatron_xmod.accounting: matmuls and "
+            "full-length attention, LM head excluded)."]
+    if meta["device_type"] == "cpu":
+        out += ["", "CPU numbers measure the framework: at this width a routed layer's time is mostly per-op "
+                "overhead (see bench/results/ops_*), so the ratios are far below the FLOP ideal; the GPU run of "
+                "bench/gpu_check.sh gives the numbers the targets refer to."]
+        if meta["loadavg_start"] and meta["loadavg_start"][0] > 0.5 * (os.cpu_count() or 1):
+            out += [f"The machine was shared (load {meta['loadavg_start'][0]} on {os.cpu_count()} cores): "
+                    "times include waits for other processes."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--backbone", default=None,
+                   help=f"one of {', '.join(BACKBONES)}, {CPU_BACKBONE.name}, {TINY_BACKBONE.name} "
+                        "(default: GPU the largest that fits, CPU cpu-256)")
+    p.add_argument("--models", nargs="+", default=list(MODELS))
+    p.add_argument("--seq-len", type=int, default=None, help="default: 32768 on GPU, 2048 on CPU")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--eval-steps", type=int, default=None)
+    p.add_argument("--tiny", action="store_true", help=f"{TINY_BACKBONE.name}, L=64, 1+1 steps: seconds (CI)")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--tag", default=None, help="results name throughput_<tag>.* (default <machine>_<date>)")
+    a = p.parse_args(argv)
+
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device: {a.device!r} is not cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device: cuda requested but no CUDA device is available; use --device cpu")
+    on_gpu = device.type == "cuda"
+    if a.tiny:
+        a.backbone = a.backbone or TINY_BACKBONE.name
+        a.seq_len = a.seq_len or 64
+    seq_len = a.seq_len or (32768 if on_gpu else 2048)
+    warmup = a.warmup if a.warmup is not None else (1 if a.tiny or not on_gpu else 2)
+    steps = a.steps if a.steps is not None else (1 if a.tiny else 3)
+    eval_steps = a.eval_steps if a.eval_steps is not None else (1 if a.tiny else 2)
+    unknown = [m for m in a.models if m not in MODELS]
+    if unknown:
+        p.error(f"--models: {unknown} not among {', '.join(MODELS)}")
+    if steps < 1 or eval_steps < 1 or warmup < 0:
+        p.error("--steps/--eval-steps: at least 1 each; --warmup: >= 0")
+    try:
+        candidates = pick_backbone(a.models, seq_len, a.micro_batch, device, a.backbone)
+        for b in candidates[:1]:  # fail before any expensive work: layouts and L/K
+            for m in a.models:
+                description = parse_model(m, b)
+                for layer in description.layout.layers:
+                    if layer.is_sparse and seq_len % layer.sparsity_k:
+                        raise ValueError(f"--seq-len: {seq_len} is not divisible by K={layer.sparsity_k} of {m}; "
+                                         "use a multiple of 16")
+    except ValueError as e:
+        p.error(str(e))
+
+    bf16 = on_gpu
+    loadavg_start = loadavg()
+    tag = a.tag or f"{'gpu' if on_gpu else 'cpu'}_{dt.datetime.now(dt.UTC).strftime('%Y%m%d')}"
+    settings = dict(seq_len=seq_len, micro_batch=a.micro_batch, dtype="bf16" if bf16 else "fp32", warmup=warmup,
+                    steps=steps, eval_steps=eval_steps, loadavg_start=loadavg_start)
+    rows = None
+    with single_rank_megatron():
+        for backbone in candidates:
+            ideal = ideal_ratios(backbone, a.models, seq_len)
+            rows = []
+            try:
+                for m in a.models:
+                    print(f"[{dt.datetime.now().strftime('%H:%M:%S')}] {m} on {backbone.name}, L={seq_len}", flush=True)
+                    result = time_model(backbone, m, seq_len, a.micro_batch, device, bf16, warmup, steps, eval_steps)
+                    free_memory(device)
+                    layout = parse_model(m, backbone).layout
+                    rows.append(dict(model=m, layout=layout.notation, num_layers=layout.num_layers,
+                                     ideal_ratio=ideal[m], **result))
+                    print(f"    train {result['train_tok_s']:.0f} tok/s, eval {result['eval_tok_s']:.0f} tok/s", flush=True)
+                    # after every model: a run cut off by a time limit keeps what finished
+                    write_results(a.out, tag, device, backbone, settings, rows)
+                break
+            except torch.cuda.OutOfMemoryError as e:
+                print(f"    out of memory on {backbone.name} ({str(e).splitlines()[0]}); trying a smaller backbone")
+                rows = None
+                free_memory(device)
+        if rows is None:
+            print("no backbone fits", file=sys.stderr)
+            return 1
+    for r in rows:
+        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        print(f"{r['model']:11s} train {r['train_tok_s']:10.0f} tok/s  x{f(r['train_ratio'], '.2f')} of Dense "
+              f"(ideal x{r['ideal_ratio']:.2f}, {f(r['train_fraction_of_ideal'], '.0%')})   "
+              f"eval {r['eval_tok_s']:10.0f} tok/s x{f(r['eval_ratio'], '.2f')}")
+    print(f"wrote {a.out}/throughput_{tag}.json and .md")
+    return 0
+
+
+def write_results(out_dir, tag, device, backbone, settings, rows):
+    from megatron_xmod import permute
+
+    summarize(rows)
+    probe = torch.zeros(1, 1, 8, device=device, dtype=torch.bfloat16 if settings["dtype"] == "bf16" else torch.float32)
+    calls = {k: v for r in rows for k, v in r["routing_step_calls"].items() if r["model"] == "xmod-a4k8"}
+    meta = run_meta(device, dict(backbone=asdict(backbone), **settings, permute_backend=permute.selected_backend(probe),
+                                 routing_backend=", ".join(f"{k} ({v} calls)" for k, v in calls.items()) or "-"))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"throughput_{tag}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(os.path.join(out_dir, f"throughput_{tag}.md"), "w") as f:
+        f.write(render_markdown(meta, rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
