@@ -175,33 +175,35 @@ def test_cli_checks_inputs_before_loading(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_routing_report_on_an_entry_point_checkpoint(tmp_path):
-    """Train a tiny X-MoD for 4 iterations with the entry point, then ``xmod routing-report`` on its
-    checkpoint: table, JSON and the Figure-5 PNG; the JSON's top-k pass routes exactly 1/K."""
-    import subprocess
-    import sys
+def test_periodic_validation_and_routing_report_on_an_entry_point_checkpoint(tmp_path, capsys):
+    """Train a tiny X-MoD with the entry point at learning rate 0 (the weights never change) and
+    validate every 2 iterations: every validation scores the same held-out batches (patch 16), so
+    the losses at iterations 2 and 4 are equal (megatron alone would move on to the next batches).
+    Then ``xmod routing-report`` on its checkpoint: table, JSON, the Figure-5 PNG; under top-k every
+    layer routes exactly 1/K."""
+    from entry_point_helpers import common_flags, torchrun, validation_losses, write_byte_data
 
-    from entry_point_helpers import REPO, common_flags, torchrun, write_byte_data
+    from megatron_xmod.cli import main
 
     data = write_byte_data(str(tmp_path / "bytes"))
     save = tmp_path / "ckpt"
-    torchrun(1, ["-m", "megatron_xmod.pretrain"],
-             common_flags(data, 4, "--xmod-routing-family", "xmod", "--xmod-layout", "D + (S4*2 + D)*2",
-                          "--num-layers", "7", "--save", str(save), "--save-interval", "4"))
+    result = torchrun(1, ["-m", "megatron_xmod.pretrain"],
+                      common_flags(data, 4, "--xmod-routing-family", "xmod", "--xmod-layout", "D + (S4*2 + D)*2",
+                                   "--num-layers", "7", "--save", str(save), "--save-interval", "4",
+                                   "--lr", "0", "--min-lr", "0", "--eval-interval", "2", "--eval-iters", "2"))
+    validation = validation_losses(result.stdout)
+    assert {2, 4} <= set(validation)
+    assert validation[2]["lm loss"] == validation[4]["lm loss"]
     out = tmp_path / "report"
-    result = subprocess.run([sys.executable, "-m", "megatron_xmod.cli", "routing-report", "--load", str(save),
-                             "--data", data, "--num-sequences", "6", "--output", str(out)],
-                            capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "against 1/K = 25.00%" in result.stdout
+    assert main(["routing-report", "--load", str(save), "--data", data, "--num-sequences", "6",
+                 "--output", str(out)]) == 0
+    assert "against 1/K = 25.00%" in capsys.readouterr().out
     report = json.loads((out / "routing_report.json").read_text())
     assert report["iteration"] == 4 and report["layout"] == "D + (S4*2 + D)*2"
     assert [b["layers"] for b in report["blocks"]] == [[2, 3], [5, 6]]
     assert report["num_sequences"] == 6 and report["seq_length"] == 64
     assert (out / "update_counts.png").stat().st_size > 1000 and (out / "routing_report.txt").is_file()
-    topk = subprocess.run([sys.executable, "-m", "megatron_xmod.cli", "routing-report", "--load", str(save),
-                           "--data", data, "--num-sequences", "6", "--rule", "topk", "--output", str(tmp_path / "tk")],
-                          capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert topk.returncode == 0, topk.stderr[-3000:]
+    assert main(["routing-report", "--load", str(save), "--data", data, "--num-sequences", "6", "--rule", "topk",
+                 "--output", str(tmp_path / "tk")]) == 0
     rows = json.loads((tmp_path / "tk" / "routing_report.json").read_text())["layers"]
     assert all(row["selected_fraction"] == 0.25 for row in rows)
