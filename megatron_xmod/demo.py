@@ -223,7 +223,8 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def _plot(curves: dict[str, list[tuple[float, float]]], finals: dict[str, tuple[float, float]], path: Path) -> Path:
-    """Periodic validation (each point on the next held-out batches, as megatron iterates them) and,
+    """Periodic validation (every point on the same first held-out batches: patch 16 of
+    training/patches.py restarts the validation set at each evaluation) and,
     as a star, the final paired evaluation that the table reports."""
     import matplotlib
 
