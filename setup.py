@@ -94,6 +94,7 @@ setup(
     version="0.1.0",
     description="X-MoD / MoD sparse-depth routing and DTop-p MoE for megatron-core",
     packages=find_packages(include=["megatron_xmod", "megatron_xmod.*"]),
+    package_data={"megatron_xmod.hf.eval_tasks": ["*.yaml"]},  # the lm-eval task definitions
     python_requires=">=3.12",
     install_requires=[
         "torch>=2.6",
@@ -103,7 +104,8 @@ setup(
     extras_require={
         "train": ["tensorboard>=2.15", "tqdm>=4.66", "sentencepiece>=0.2", "matplotlib>=3.8",
                   "emerging-optimizers>=0.3", "psutil>=5.9"],
-        "export": ["transformers>=4.45", "safetensors>=0.4"],
+        "export": ["transformers>=5.0", "safetensors>=0.4", "tokenizers>=0.21", "huggingface-hub>=1.0"],
+        "eval": ["lm-eval[hf]>=0.4.9,<0.5"],
         "scaling": ["scipy>=1.11", "matplotlib>=3.8"],
         "test": ["pytest>=8", "ruff>=0.6"],
     },

@@ -41,7 +41,7 @@ export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}"
 export MAX_JOBS="${MAX_JOBS:-2}"
 NV_INC="$("$VENV/bin/python" -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13/include"))' 2>/dev/null || true)"
 if [ -n "$NV_INC" ] && [ -d "$NV_INC" ]; then export CPATH="$NV_INC${CPATH:+:$CPATH}"; fi
-"${PIP[@]}" install -q -c requirements/constraints.txt -e ".[train,export,scaling,test]" ninja
+"${PIP[@]}" install -q -c requirements/constraints.txt -e ".[train,export,eval,scaling,test]" ninja
 # The GPT-2 BPE files ship inside openai-whisper; --no-deps keeps its numba/triton pins out.
 "${PIP[@]}" install -q -c requirements/constraints.txt tiktoken
 "${PIP[@]}" install -q -c requirements/constraints.txt --no-deps openai-whisper

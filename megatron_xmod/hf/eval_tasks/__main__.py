@@ -1,0 +1,5 @@
+import sys
+
+from megatron_xmod.hf.eval_tasks import main
+
+sys.exit(main())
