@@ -207,3 +207,19 @@ def test_periodic_validation_and_routing_report_on_an_entry_point_checkpoint(tmp
                  "--output", str(tmp_path / "tk")]) == 0
     rows = json.loads((tmp_path / "tk" / "routing_report.json").read_text())["layers"]
     assert all(row["selected_fraction"] == 0.25 for row in rows)
+
+
+def test_report_on_mod_has_one_layer_blocks(seeded, tmp_path):
+    """MoD (S + D)*n: every block is one layer, so coverage is the selected fraction and there is no
+    adjacent pair; the table and Figure 5 still come out."""
+    from megatron_xmod.diagnostics.routing_report import format_table, plot_update_counts, routing_report
+
+    model, _ = tiny_model("D + (S4 + D)*2", seq_len=16, xmod_routing_family="mod")
+    report = routing_report(model, torch.randint(0, 256, (2, 17)), rule="topk")
+    assert report["family"] == "mod" and [b["layers"] for b in report["blocks"]] == [[2], [4]]
+    for block in report["blocks"]:
+        assert block["coverage"] == block["selected_fraction"][0] == 0.25
+        assert block["adjacent_jaccard"] is None and block["update_count_distribution"] == [0.75, 0.25]
+    assert report["summary"]["adjacent_jaccard"] is None
+    assert "Jaccard -%" in format_table(report)
+    plot_update_counts(report, tmp_path / "mod.png")
