@@ -8,11 +8,14 @@ import re
 import subprocess
 import sys
 
+import hf_io_helpers
 import pytest
 import torch
-from hf_io_helpers import hf_checkpoints, megatron_logits  # noqa: F401
+from hf_io_helpers import megatron_logits
 
 from megatron_xmod.hf.eval_tasks import build_tasks, next_line_docs, perplexity_docs
+
+hf_checkpoints = hf_io_helpers.hf_checkpoints  # the session's shared checkpoints
 
 
 def _fake_plays(tmp_path):

@@ -6,13 +6,16 @@ import json
 import subprocess
 import sys
 
+import hf_io_helpers
 import pytest
 import torch
 from entry_point_helpers import common_flags, torchrun, train_losses
-from hf_io_helpers import FAMILIES, LAYOUT_NAMES, REPO, hf_checkpoints, megatron_logits, run_hidden  # noqa: F401
+from hf_io_helpers import FAMILIES, LAYOUT_NAMES, REPO, megatron_logits, run_hidden
 
 from megatron_xmod.hf.export import args_from_json, args_to_json, export_checkpoint
 from megatron_xmod.hf.importer import import_folder, read_hf_weights
+
+hf_checkpoints = hf_io_helpers.hf_checkpoints  # the session's shared checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -165,3 +165,35 @@ def _progress(enabled: bool, **kwargs):
 def read_export_info(folder) -> Optional[dict]:
     path = Path(folder) / EXPORT_INFO
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+# ------------------------------------------------------------------------------------------------ demo
+def demo_export(checkpoint_dir, output_dir, prompt: str, max_new_tokens: int = 80, seed: int = 0) -> str:
+    """Export ``checkpoint_dir`` to ``output_dir``, generate from ``prompt`` with the HF model and its
+    sparse KV cache, and return printable lines (what ``xmod demo`` ends with)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import megatron_xmod.hf  # noqa: F401  (registers the classes with the Auto* factories)
+    from megatron_xmod.hf.cache import XModCache, dense_cache_bytes
+
+    result = export_checkpoint(checkpoint_dir, output_dir, dtype="fp32", progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(output_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(output_dir), dtype=torch.float32).eval()
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_k=40,
+                             pad_token_id=tokenizer.eos_token_id)
+        cache = XModCache(model.config)  # what generation holds after the last token: one pass gives the same
+        model(out, cache=cache, use_cache=True)
+    sparse_bytes = cache.nbytes(valid_only=True)["total"]
+    dense_bytes = dense_cache_bytes(model.config, out.shape[1])
+    text = tokenizer.decode(out[0], skip_special_tokens=True)
+    lines = [f"[hf] {result.summary()}",
+             f"[hf] load it anywhere: AutoModelForCausalLM.from_pretrained({str(output_dir)!r}, trust_remote_code=True)",
+             f"[hf] generated from {prompt!r} (sampling, temperature 0.8, top-k 40):", "",
+             *("    " + line for line in text.splitlines()), "",
+             f"[hf] KV cache after {out.shape[1]} tokens: {sparse_bytes / 1024:.1f} KiB with the sparse cache vs "
+             f"{dense_bytes / 1024:.1f} KiB dense ({sparse_bytes / dense_bytes:.0%}): sparse layers keep only the "
+             "tokens they routed"]
+    return "\n".join(lines)

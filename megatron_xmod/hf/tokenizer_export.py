@@ -18,6 +18,7 @@ Anything else is an error naming ``tokenizer_type``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -74,9 +75,9 @@ def _gpt2_from_files(vocab_file: Path, merge_file: Path):
     with tempfile.TemporaryDirectory() as folder:
         shutil.copyfile(vocab_file, Path(folder) / "vocab.json")
         shutil.copyfile(merge_file, Path(folder) / "merges.txt")
-        (Path(folder) / "tokenizer_config.json").write_text(
-            '{"tokenizer_class": "GPT2Tokenizer", "bos_token": "%s", "eos_token": "%s", "unk_token": "%s"}'
-            % (EOD_TEXT, EOD_TEXT, EOD_TEXT))
+        config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOD_TEXT, "eos_token": EOD_TEXT,
+                  "unk_token": EOD_TEXT}
+        (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config))
         return AutoTokenizer.from_pretrained(folder)
 
 
