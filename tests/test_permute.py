@@ -290,6 +290,41 @@ def test_gpu_partial_grads_and_unaligned_views(backend):
 
 
 @needs_gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_large_case_L32768_b8_h8192_bf16(backend):
+    """The paper's length at a wide hidden size (4 GiB per [L, b, h] tensor): 64-bit row offsets and
+    the multi-chunk row loop, against the reference."""
+    if backend == "cuda" and not _built_ext():
+        pytest.skip("extension not built")
+    L, b, h, k = 32768, 8, 8192, 32768 // 8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    idx = torch.rand(L, b, device="cuda", generator=gen).topk(k, dim=0).indices.sort(dim=0).values
+    x = torch.randn(L, b, h, device="cuda", generator=gen, dtype=torch.bfloat16)
+    y = torch.randn(k, b, h, device="cuda", generator=gen, dtype=torch.bfloat16)
+    gate = torch.rand(k, b, device="cuda", generator=gen).to(torch.bfloat16)
+    ops = dispatch._ops(backend)
+    assert torch.equal(ops.gather(x, idx), reference.gather_tokens(x, idx))
+    out = ops.scatter_add_gated(x, y, gate, idx, L)
+    routed = torch.zeros(L, b, dtype=torch.bool, device="cuda").scatter_(0, idx, True)
+    assert torch.equal(out[~routed].view(torch.int16), x[~routed].view(torch.int16))  # pass-through bits
+    want = reference.gather_tokens(x, idx).float() + gate.float().unsqueeze(-1) * y.float()
+    got = reference.gather_tokens(out, idx).float()
+    assert ((got - want).abs() <= 2.0**-8 * want.abs() + 1e-30).all()  # one bf16 rounding
+    del out, got, want
+    grad_x = ops.scatter_add_gated(None, y, None, idx, L)  # the gather's backward
+    assert torch.equal(reference.gather_tokens(grad_x, idx), y) and not grad_x[~routed].any()
+    del grad_x
+    go = x  # any [L, b, h] gradient
+    gy, gg = ops.scatter_backward(go, y, gate, idx, True, True)
+    rows = reference.gather_tokens(go, idx).float()
+    want_gy = gate.float().unsqueeze(-1) * rows
+    assert ((gy.float() - want_gy).abs() <= 2.0**-8 * want_gy.abs() + 1e-30).all()
+    want_gg = (rows * y.float()).sum(-1)
+    scale = (rows.abs() * y.float().abs()).sum(-1)
+    assert ((gg.float() - want_gg).abs() <= 1e-5 * scale + 2.0**-8 * want_gg.abs()).all()
+
+
+@needs_gpu
 def test_gpu_auto_prefers_fastest(fresh_dispatch):
     x = torch.zeros(4, 1, 8, device="cuda")
     want = "cuda" if _built_ext() else "triton"
