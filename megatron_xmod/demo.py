@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -69,12 +70,15 @@ EVAL_PROGRESS = re.compile(r"Evaluating iter (\d+)/")
 
 
 def _launch(command: list[str], log_path: Path, total: int, desc: str, progress: re.Pattern) -> str:
-    """Run one entry-point process, log its output, show a progress bar; returns the output."""
+    """Run one entry-point process, log its command and output, show a progress bar; returns the output."""
     from tqdm import tqdm
 
     env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1))
     lines = []
     with open(log_path, "w") as log, tqdm(total=total, desc=desc, unit="it") as bar:
+        # The exact command first, so that a run can be copied and changed (docs/first_run.md).
+        log.write(f"+ {shlex.join(command)}\n\n")
+        log.flush()
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for line in process.stdout:
             log.write(line)

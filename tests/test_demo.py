@@ -1,5 +1,6 @@
 """The main job end to end at a tiny budget: real runs in, table and plot out."""
 import json
+import shlex
 import subprocess
 import sys
 
@@ -38,3 +39,9 @@ def test_demo_runs_and_reports_from_the_runs(tmp_path):
     assert rows["xmod"]["training_flops"] == pytest.approx(rows["dense"]["training_flops"], rel=0.1)
     assert (out / "val_loss_vs_flops.png").stat().st_size > 10_000
     assert "warning" not in result.stdout  # the run built exactly the parameters the accounting counts
+    for name in ("dense", "xmod"):  # each log starts with the command that wrote it, ready to copy
+        for log in ("train.log", "eval.log"):
+            command = (out / name / log).read_text().splitlines()[0]
+            assert command.startswith("+ ") and "-m megatron_xmod.pretrain" in command
+            assert shlex.split(command[2:])[0] == sys.executable
+            assert f"--xmod-layout {shlex.quote(MODELS[name][1])}" in command
