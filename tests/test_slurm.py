@@ -148,6 +148,10 @@ def test_dry_run_with_a_small_corpus_names_the_empty_split(tmp_path):
     assert "--split 9,1,0" in proc.stderr
     proc = _launch(GENERIC, SPLIT="9,1,0", **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    os.truncate(f"{prefix}.bin", os.path.getsize(f"{prefix}.bin") - 10)  # a copy cut short: named, before srun
+    proc = _launch(GENERIC, SPLIT="9,1,0", **env)
+    assert proc.returncode != 0 and f"data_path: {prefix}.bin is" in proc.stderr and "truncated" in proc.stderr
+    assert "nothing was started" in proc.stderr
 
 
 @pytest.mark.slow
