@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from megatron_xmod.accounting import count, dense_reference
+from megatron_xmod.memory_estimate import add_memory_arguments, print_memory
 from megatron_xmod.moe.presets import MOE_MODEL_NAMES
 from megatron_xmod.presets import BACKBONE_FILE_FIELDS, BACKBONES, parse_model, resolve_backbone
 
@@ -19,6 +20,7 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=32768)
     p.add_argument("--dense-prefix", type=int, default=4, help="N0 for xmod-a<A>k<K> names")
     p.add_argument("--json", action="store_true", help="one JSON object per model, one per line")
+    add_memory_arguments(p)  # --memory: per-GPU bytes by part (megatron_xmod.memory_estimate)
     p.set_defaults(func=run)
 
 
@@ -29,6 +31,8 @@ def _fmt(n: float) -> str:
 def run(args) -> int:
     backbone = resolve_backbone(args.backbone)
     models = args.model or ["dense", "mod", "xmod-a4k8", "xmod-a3k16"]
+    if args.memory:
+        return print_memory(args, backbone, models)
     rows = []
     for model in models:
         description = parse_model(model, backbone, dense_prefix=args.dense_prefix)

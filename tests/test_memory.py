@@ -92,3 +92,75 @@ def test_one_full_length_router_input_per_block(seeded):
         patch.setattr(XModSparseLayer, "_router_logits", _plain_router)
         saved_before, _ = _saved_storages(model, block)
     assert len(full_length(saved_before)) == 3
+
+
+# ------------------------------------------------------------------ the estimate's per-layer formulas
+def _measure_layers(layout, family="xmod", seq=64):
+    from helpers import TINY
+
+    model, config = tiny_model(layout, seq_len=seq, xmod_routing_family=family) if "S" in layout else tiny_model(layout, seq_len=seq)
+    model.train()
+    x = torch.randn(seq, 1, config.hidden_size, requires_grad=True)
+    rope = model.rotary_pos_emb(seq)
+    per_layer = [0] * len(model.decoder.layers)
+    current = [0]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = set()
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            per_layer[current[0]] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        h = x
+        for i, layer in enumerate(model.decoder.layers):
+            current[0] = i
+            h, _ = layer(h, rotary_pos_emb=rope)
+    return TINY, per_layer
+
+
+@pytest.mark.parametrize("family", ["xmod", "mod"])
+def test_activation_formulas_match_saved_bytes(seeded, family):
+    """What ``xmod count --memory`` assumes per layer, against what autograd saves (within 10%)."""
+    from megatron_xmod.memory_estimate import block_base_bytes, dense_layer_bytes, routed_layer_bytes
+
+    backbone, (dense,) = _measure_layers("D")
+    assert dense == pytest.approx(dense_layer_bytes(backbone, 64), rel=0.1)
+    _, (first, second) = _measure_layers("S4*2", family)
+    routed = routed_layer_bytes(backbone, 64, 4, family)
+    assert second == pytest.approx(routed, rel=0.1)
+    # the first routed layer of a block holds the block's base instead of the previous layer's rows
+    assert first == pytest.approx(routed + block_base_bytes(backbone, 64) - 64 / 4 * backbone.hidden_size * 4, rel=0.1)
+
+
+def test_count_memory_prints_parts_and_refuses_above_the_gpu_memory(capsys):
+    import argparse
+
+    from megatron_xmod.memory_estimate import Parallel, add_memory_arguments, estimate, print_memory
+    from megatron_xmod.presets import get_backbone, parse_model
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dense-prefix", type=int, default=4)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--seq-len", type=int, default=32768)
+    add_memory_arguments(parser)
+    b = get_backbone("1.65b")
+    args = parser.parse_args(["--memory", "--tp", "8", "--dp", "8", "--recompute", "selective", "--distributed-optimizer"])
+    assert print_memory(args, b, ["dense", "xmod-a3k16"]) == 0
+    out = capsys.readouterr().out
+    for part in ("weights", "gradients", "optimizer state", "activations: routed layers", "logits", "total"):
+        assert part in out
+    args.gpu_mem_gb = 10.0
+    assert print_memory(args, b, ["xmod-a3k16"]) == 1
+    assert "gpu_mem_gb" in capsys.readouterr().out
+    # sequence parallelism divides the activations by TP; the distributed optimizer the state by DP
+    model = parse_model("xmod-a3k16", b)
+    plain = estimate(model, 32768, Parallel(tp=8, dp=8))
+    sp = estimate(model, 32768, Parallel(tp=8, dp=8, sequence_parallel=True, distributed_optimizer=True))
+    assert sp.activations_routed_layers < 0.5 * plain.activations_routed_layers
+    assert sp.optimizer_state == pytest.approx(plain.optimizer_state / 8)
+    with pytest.raises(ValueError, match="recompute"):
+        Parallel(recompute="some")

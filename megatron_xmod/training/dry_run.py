@@ -81,7 +81,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[dry-run] FAILED ({kind}): {error}", file=sys.stderr)
         return 1
     print(summary(args), flush=True)
-    return 0
+    from megatron_xmod.memory_estimate import check_launch_memory
+
+    return check_launch_memory(args)  # refuses (1) above GPU_MEM_GB, default 80, before any allocation
 
 
 if __name__ == "__main__":
