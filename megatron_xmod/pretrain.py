@@ -43,7 +43,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "-h" in argv or "--help" in argv:
         print_help()
         return
-    single_process_defaults()
     from megatron_xmod.training.flags import expand_arguments
 
     with patches.cpu_patches(training=True):
@@ -76,6 +75,7 @@ def _pretrain(argv: list[str]) -> None:
     patches.checkpoint_integrity()
     hooks.install_evaluation_log()
     config_container = pretrain_cfg_container_from_args(args, None)
+    single_process_defaults()  # as late as possible: the free port is taken by the time megatron binds it
     pretrain(config_container, hooks.datasets_provider, ModelType.encoder_or_decoder, hooks.forward_step,
              model_provider=hooks.model_provider)
 

@@ -19,16 +19,17 @@ EXAMPLES = REPO / "examples"
 BIN = Path(sys.executable).parent
 
 
-def run_example(name, **env):
+def run_example(name, timeout=300, **env):
     full = dict(os.environ, PY=sys.executable, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1",
                 **{k: str(v) for k, v in env.items()})
-    return subprocess.run(["bash", str(EXAMPLES / name)], capture_output=True, text=True, env=full, cwd=REPO, timeout=300)
+    return subprocess.run(["bash", str(EXAMPLES / name)], capture_output=True, text=True, env=full, cwd=REPO,
+                          timeout=timeout)
 
 
 def test_every_example_is_tested():
     here = Path(__file__).read_text()
     scripts = sorted(p.name for p in EXAMPLES.glob("*.sh"))
-    assert scripts == ["preprocess_data.sh", "pretrain_gpt_spec.sh", "pretrain_xmod.sh"]
+    assert scripts == ["own_data_cpu.sh", "preprocess_data.sh", "pretrain_gpt_spec.sh", "pretrain_xmod.sh"]
     for script in scripts:
         assert f'run_example("{script}"' in here, f"examples/{script} has no DRY_RUN or SMOKE test"
 
@@ -125,3 +126,52 @@ def test_patches_folder_holds_only_patches_that_apply(tmp_path):
             f"{patch.name}: name the Megatron-LM version it targets"
         check = subprocess.run(["git", "apply", "--check", str(patch)], cwd=copy, capture_output=True, text=True)
         assert check.returncode == 0, f"{patch.name} does not apply to {MEGATRON_LM_DIR}: {check.stderr}"
+
+
+@pytest.mark.slow
+def test_own_data_cpu_example_end_to_end(tmp_path):
+    """examples/own_data_cpu.sh on a tiny corpus: preprocess (with its own SentencePiece model) ->
+    count -> train 6 -> resume to 10 -> evaluate; every step logs its command; the log and
+    tensorboard carry the start-up summary, the validation routing statistics and compute."""
+    import random
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    words = ("the quick brown fox jumps over a lazy dog while rivers run to the sea and tall mountains stand "
+             "under a pale moon").split()
+    rng = random.Random(0)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(150)) for _ in range(40)))
+    backbone = tmp_path / "tiny.json"  # a backbone file, as a user writes one
+    backbone.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+                                    "head_dim": 16, "ffn_hidden_size": 128, "num_layers": 6, "vocab_size": 400}))
+    out = tmp_path / "run"
+    result = run_example("own_data_cpu.sh", INPUT=corpus, OUT=out, VOCAB=400, BACKBONE=backbone, SEQ=64, MBS=2, GBS=4,
+                         ITERS=6, MORE=4, EVAL_ITERS=1, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    logs = {step: (out / f"{step}.log").read_text() for step in ("preprocess", "count", "train", "resume", "evaluate")}
+    for step, text in logs.items():
+        assert text.lstrip().startswith("+ "), step  # the command first, ready to copy
+    flags = logs["preprocess"].strip().splitlines()[-1]
+    assert f"--data-path {out}/data/text" in flags and "--tokenizer-type SentencePieceTokenizer" in flags
+    assert "D*6" in logs["count"]  # compared with the dense model of the same activated depth
+    train = logs["train"]
+    assert "layers     1-2 dense | 3-6 sparse K=4 (block 1, #1-#4) | 7 anchor (block 1)" in train
+    assert "no launcher found" in train and "tokens/s:" in train and "ETA:" in train
+    assert "[xmod] validation routing at iteration 6 (threshold rule) | selected fraction:" in train
+    assert "iteration       10/      10" in logs["resume"]
+    assert "validation loss at iteration 10 on validation set" in logs["evaluate"]
+    tags: dict = {}
+    for event_file in sorted((out / "tb").iterdir()):
+        if not event_file.name.startswith("events"):
+            continue
+        events = EventAccumulator(str(event_file), size_guidance={"scalars": 0})
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            tags.setdefault(tag, {}).update({e.step: e.value for e in events.Scalars(tag)})
+    # the validation statistics at the iteration of each validation, the last one included
+    assert {6, 10} <= set(tags["routing/eval_selected_fraction"])
+    assert tags["routing/eval_selected_fraction random"][10] == 0.25
+    flops = tags["training flops"][10]
+    assert flops == 3 * tags["forward flops per token"][10] * 10 * 4 * 64
+    assert max(tags["lm loss vs training MFLOPs"]) == round(flops / 1e6)
