@@ -211,6 +211,10 @@ def run(args) -> int:
     finals = {r["model"]: (r["training_flops"], r["val_loss_threshold"]) for r in rows}
     plot = _plot({n: results[n]["curve"] for n in names}, finals, out / "val_loss_vs_flops.png")
     print(f"[demo] table: {out / 'results.json'}  plot: {plot}  ({time.time() - started:.0f} s)")
+    if "xmod" in names:  # the X-MoD model as a Hugging Face folder, generating (docs/hf.md)
+        from megatron_xmod.hf.export import demo_export
+
+        print(demo_export(out / "xmod" / "ckpt", out / "xmod" / "hf", "To be, or not to be"), flush=True)
     return 0
 
 

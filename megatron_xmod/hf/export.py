@@ -176,6 +176,8 @@ def demo_export(checkpoint_dir, output_dir, prompt: str, max_new_tokens: int = 8
     import megatron_xmod.hf  # noqa: F401  (registers the classes with the Auto* factories)
     from megatron_xmod.hf.cache import XModCache, dense_cache_bytes
 
+    if (Path(output_dir) / EXPORT_INFO).is_file():  # a previous demo's export: replace it
+        shutil.rmtree(output_dir)
     result = export_checkpoint(checkpoint_dir, output_dir, dtype="fp32", progress=False)
     tokenizer = AutoTokenizer.from_pretrained(str(output_dir))
     model = AutoModelForCausalLM.from_pretrained(str(output_dir), dtype=torch.float32).eval()
@@ -192,7 +194,7 @@ def demo_export(checkpoint_dir, output_dir, prompt: str, max_new_tokens: int = 8
     lines = [f"[hf] {result.summary()}",
              f"[hf] load it anywhere: AutoModelForCausalLM.from_pretrained({str(output_dir)!r}, trust_remote_code=True)",
              f"[hf] generated from {prompt!r} (sampling, temperature 0.8, top-k 40):", "",
-             *("    " + line for line in text.splitlines()), "",
+             *("    " + line for line in text.splitlines() if line.strip()), "",
              f"[hf] KV cache after {out.shape[1]} tokens: {sparse_bytes / 1024:.1f} KiB with the sparse cache vs "
              f"{dense_bytes / 1024:.1f} KiB dense ({sparse_bytes / dense_bytes:.0%}): sparse layers keep only the "
              "tokens they routed"]
