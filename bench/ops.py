@@ -10,8 +10,10 @@ are profiled separately.
 - CPU: ``torch.profiler`` op events. An op counts if no enclosing event is an op itself (what the
   Python code and the autograd engine dispatch); each ``triton::*`` region counts as one launch.
   ``ops`` counts every op, ``kernels`` leaves out the ops that launch no kernel on a GPU (views,
-  reshapes, ``empty``: see VIEW_OPS); under ``TRITON_INTERPRET=1`` the fused paths run the real
-  Triton kernels through the interpreter, so the counts are those a GPU would launch.
+  ``empty``: VIEW_OPS; ``to``/``reshape`` that copy nothing: COPY_IF_NEEDED); the permutation
+  ops' CPU-only index checks are switched off (XMOD_PERMUTE_CHECK=0). Under ``TRITON_INTERPRET=1``
+  the fused path runs the real Triton kernels through the interpreter, so its counts are the
+  launches a GPU makes.
 - GPU (``--device cuda``): CUDA kernel events per layer call, what the device really launched.
 
     python bench/ops.py                       # both paths on CPU, writes bench/results/ops_cpu_<date>.*
@@ -41,7 +43,25 @@ VIEW_OPS = {
     "aten::is_nonzero", "aten::_reshape_alias", "aten::view_as", "aten::expand_as", "aten::unflatten",
 }
 PATHS = ("torch", "fused")
+# Frames that only pass ops through (the CPU patches' device mode, the kernels' launchers).
+ORIGIN_SKIP = ("training/patches.py", "/kernels/triton", "/permute/triton", "/permute/dispatch.py")
 LAYERS = ("dense", "xmod_sparse", "mod_sparse")
+
+
+# Ops that launch a kernel only when they copy (dtype change, non-contiguous input).
+COPY_IF_NEEDED = {"aten::to", "aten::type_as", "aten::contiguous", "aten::reshape", "aten::float"}
+
+
+def _copies(ev) -> bool:
+    return any(child.name in ("aten::copy_", "aten::_to_copy", "aten::clone") or _copies(child)
+               for child in ev.cpu_children)
+
+
+def _launches(ev) -> bool:
+    """Whether a top-level op launches work on a GPU."""
+    if ev.name in COPY_IF_NEEDED:
+        return _copies(ev)
+    return ev.name not in VIEW_OPS
 
 
 def _top_level(events):
@@ -58,7 +78,7 @@ def _top_level(events):
                 break
             parent = parent.cpu_parent
         if not nested:
-            kept.append(name)
+            kept.append(ev)
     return kept
 
 
@@ -72,14 +92,16 @@ def _origin(ev) -> str:
         parent = parent.cpu_parent
     for marker, prefix in (("megatron_xmod/", ""), ("megatron/core/", "megatron/")):
         for frame in frames:
-            if marker in frame and "/kernels/triton" not in frame and "/permute/triton" not in frame:
+            if marker in frame and not any(skip in frame for skip in ORIGIN_SKIP):
                 path, func = frame.split(marker, 1)[1].split("(", 1)[0], frame.rsplit(": ", 1)[-1]
                 return f"{prefix}{path}:{func}"
     return "autograd engine" if not frames else "other"
 
 
-def profile_layer(layer, hidden, rope, device, before=None):
-    """(forward record, backward record) of one call of ``layer``."""
+def profile_layer(layer, hidden, rope, device, before=None, with_stack=True):
+    """(forward record, backward record) of one call of ``layer``. ``with_stack`` records the
+    Python frames (for ``by_origin``); off for the interpreted Triton path, whose interpreter
+    frames would swamp the profile."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -91,42 +113,34 @@ def profile_layer(layer, hidden, rope, device, before=None):
             before()
         x = hidden.detach().clone().requires_grad_(True)
         if phase == "forward":
-            with profile(activities=activities, with_stack=True) as prof:
+            with profile(activities=activities, with_stack=with_stack) as prof:
                 out, _ = layer(x, attention_mask=None, rotary_pos_emb=rope)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
         else:
             out, _ = layer(x, attention_mask=None, rotary_pos_emb=rope)
-            with profile(activities=activities, with_stack=True) as prof:
+            with profile(activities=activities, with_stack=with_stack) as prof:
                 out.backward(grad)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-        events = prof.events()
-        names = _top_level(events)
-        origins = collections.Counter()
-        for ev in events:
-            if ev.name in names and ev.name not in VIEW_OPS and _is_top(ev):
-                origins[_origin(ev)] += 1
-        record = dict(phase=phase, ops=len(names), kernels=sum(n not in VIEW_OPS for n in names),
-                      by_name=dict(collections.Counter(names).most_common()), by_origin=dict(origins.most_common()))
+        top = _top_level(prof.events())
+        launching = [ev for ev in top if _launches(ev)]
+        origins = collections.Counter(_origin(ev) for ev in launching) if with_stack else collections.Counter()
+        record = dict(phase=phase, ops=len(top), kernels=len(launching),
+                      by_name=dict(collections.Counter(ev.name for ev in launching).most_common()),
+                      by_origin=dict(origins.most_common()))
         if device.type == "cuda":
-            record["cuda_kernels"] = sum(1 for ev in events if ev.device_type.name == "CUDA")
+            record["cuda_kernels"] = sum(1 for ev in prof.events() if ev.device_type.name == "CUDA")
         records.append(record)
     return records
-
-
-def _is_top(ev):
-    parent = ev.cpu_parent
-    while parent is not None:
-        if parent.name.startswith(("aten::", "triton::")):
-            return False
-        parent = parent.cpu_parent
-    return True
 
 
 def _set_path(path):
     from megatron_xmod import kernels, permute
 
+    # The permutation ops validate index values on CPU tensors only (a host sync on GPU): off here,
+    # so that the CPU counts are the ops a GPU run issues.
+    os.environ[permute.dispatch.ENV_CHECK] = "0"
     os.environ[kernels.ENV_BACKEND] = "triton" if path == "fused" else "torch"
     permute.set_backend("triton" if path == "fused" else "torch")
 
@@ -164,10 +178,12 @@ def measure(paths, device_name="cpu", seq_len=64, batch=2):
                     before()
                 out, _ = layer(hidden.clone().requires_grad_(True), attention_mask=None, rotary_pos_emb=rope)
                 out.sum().backward()
-            for rec in profile_layer(layer, hidden, rope, device, before):
+            interpreted = device.type == "cpu" and path == "fused"
+            for rec in profile_layer(layer, hidden, rope, device, before, with_stack=not interpreted):
                 results.append(dict(path=path, layer=name, **rec))
     _set_path("torch")
-    os.environ.pop("XMOD_ROUTING_BACKEND", None)
+    for name in ("XMOD_ROUTING_BACKEND", "XMOD_PERMUTE_CHECK"):
+        os.environ.pop(name, None)
     return results
 
 
@@ -187,7 +203,7 @@ def render_markdown(meta, rows):
         out.append(f"| {r['path']} | {r['layer']} | {r['phase']} | {r['ops']} | {r['kernels']} | {ratio:.2f}x |")
     out += ["", "## Where the X-MoD sparse layer's kernels come from", ""]
     for r in rows:
-        if r["layer"] == "xmod_sparse":
+        if r["layer"] == "xmod_sparse" and r["by_origin"]:
             origins = ", ".join(f"{k} {v}" for k, v in r["by_origin"].items())
             out.append(f"- {r['path']} {r['phase']}: {origins}")
     return "\n".join(out) + "\n"

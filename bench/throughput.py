@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -328,14 +328,17 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--eval-steps", type=int, default=None)
+    p.add_argument("--activated-depth", type=int, default=None,
+                   help="activated depth every model is matched to (default: the backbone's, 28 for Table 4)")
     p.add_argument("--tiny", action="store_true", help=f"{TINY_BACKBONE.name}, L=64, 1+1 steps: seconds (CI)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--tag", default=None, help="results name throughput_<tag>.* (default <machine>_<date>)")
     a = p.parse_args(argv)
 
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type not in ("cpu", "cuda"):
-        p.error(f"--device: {a.device!r} is not cpu or cuda")
+    device_name = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_name not in ("cpu", "cuda"):
+        p.error(f"--device: {device_name!r} is not cpu or cuda")
+    device = torch.device(device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device: cuda requested but no CUDA device is available; use --device cpu")
     on_gpu = device.type == "cuda"
@@ -353,6 +356,8 @@ def main(argv=None) -> int:
         p.error("--steps/--eval-steps: at least 1 each; --warmup: >= 0")
     try:
         candidates = pick_backbone(a.models, seq_len, a.micro_batch, device, a.backbone)
+        if a.activated_depth is not None:
+            candidates = [replace(b, num_layers=a.activated_depth) for b in candidates]
         for b in candidates[:1]:  # fail before any expensive work: layouts and L/K
             for m in a.models:
                 description = parse_model(m, b)

@@ -74,8 +74,9 @@ def routing_step(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias:
         return routing_step_torch(logits, sparsity_k, rule, carried_bias, tau, increment, need_gate)
     k = topk_count(logits.shape[0], sparsity_k)
     carried = None if carried_bias is None else carried_bias.detach().float().contiguous()
+    logits32 = logits if logits.dtype == torch.float32 else logits.float()
     indices, selected, scores, gate, bias, _ = _FusedRoutingStep.apply(
-        logits.float().contiguous(), carried, float(tau), k, float(increment), _triton())
+        logits32.contiguous(), carried, float(tau), k, float(increment), _triton())
     return RoutingStep(RoutingDecision(selected, scores, indices), bias, gate)
 
 
@@ -86,14 +87,17 @@ class _FusedRoutingStep(torch.autograd.Function):
         ctx.ops = ops
         ctx.save_for_backward(gate, slot)
         ctx.mark_non_differentiable(indices, selected, bias, slot)
+        ctx.set_materialize_grads(False)  # no zero tensors for the outputs nobody differentiates
         return indices, selected, scores, gate, bias, slot
 
     @staticmethod
     @once_differentiable
     def backward(ctx, _gi, _gs, dscores, dgate, _gb, _gslot):
+        if dgate is None:  # d score / d logit is the identity: nothing to launch
+            return dscores, None, None, None, None, None
         gate, slot = ctx.saved_tensors
         dlogits = ctx.ops.backward(None if dscores is None else dscores.float().contiguous(),
-                                   None if dgate is None else dgate.float().contiguous(), gate, slot)
+                                   dgate.float().contiguous(), gate, slot)
         return dlogits, None, None, None, None, None
 
 

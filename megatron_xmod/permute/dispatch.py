@@ -153,9 +153,11 @@ def _check_common(fn: str, x: torch.Tensor, indices: torch.Tensor, check: Option
     if k > s:
         raise ValueError(f"{fn}: indices selects k={k} tokens per sequence but x has only s={s}")
     # Value checks read the indices back, which is a device sync on GPU: default on for CPU
-    # tensors only; XMOD_PERMUTE_CHECK=1 or check=True turns them on everywhere.
+    # tensors only; XMOD_PERMUTE_CHECK=1 or check=True turns them on everywhere, XMOD_PERMUTE_CHECK=0
+    # off everywhere (bench/ops.py: a CPU run that issues the ops a GPU run does).
     if check is None:
-        check = x.device.type == "cpu" or os.environ.get(ENV_CHECK, "0") not in ("", "0")
+        env = os.environ.get(ENV_CHECK, "")
+        check = x.device.type == "cpu" if env == "" else env != "0"
     if check and indices.numel():
         if bool((indices < 0).any()) or bool((indices >= s).any()):
             raise IndexError(f"{fn}: indices out of range [0, {s}): min {int(indices.min())}, "

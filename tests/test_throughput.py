@@ -1,0 +1,65 @@
+"""bench/throughput.py at a tiny size on CPU: the numbers it reports are consistent with the
+accounting and with each other (speed itself is a benchmark, recorded in bench/results/)."""
+import json
+import os
+import re
+import statistics
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import throughput  # noqa: E402
+from megatron_xmod.accounting import count  # noqa: E402
+from megatron_xmod.presets import Backbone, parse_model  # noqa: E402
+
+
+@pytest.mark.slow
+def test_tiny_run_reports_consistent_numbers(megatron_parallel, tmp_path):
+    models = ["dense", "xmod-a4k8"]
+    assert throughput.main(["--tiny", "--activated-depth", "9", "--models", *models, "--out", str(tmp_path),
+                            "--tag", "t"]) == 0
+    data = json.loads((tmp_path / "throughput_t.json").read_text())
+    meta, rows = data["meta"], {r["model"]: r for r in data["rows"]}
+    assert list(rows) == models and meta["seq_len"] == 64 and meta["dtype"] == "fp32"
+    backbone = Backbone(**meta["backbone"])
+    assert backbone.num_layers == 9
+    tokens = meta["seq_len"] * meta["micro_batch"]
+    for name, r in rows.items():
+        description = parse_model(name, backbone)
+        counted = count(description, meta["seq_len"])
+        # The model that ran is the one the accounting describes, and the ideal is the accounting's.
+        assert r["num_layers"] == description.layout.num_layers and r["layout"] == description.layout.notation
+        assert r["params"] == counted.total_params
+        assert r["ideal_ratio"] == pytest.approx(counted.tokens_ratio_vs_dense)
+        assert r["train_tok_s"] == pytest.approx(tokens / statistics.median(r["train_step_s"]))
+        assert r["eval_tok_s"] == pytest.approx(tokens / statistics.median(r["eval_step_s"]))
+        for phase in ("train", "eval"):
+            ratio = r[f"{phase}_tok_s"] / rows["dense"][f"{phase}_tok_s"]
+            assert r[f"{phase}_ratio"] == pytest.approx(ratio)
+            assert r[f"{phase}_fraction_of_ideal"] == pytest.approx(ratio / r["ideal_ratio"])
+        # A fresh model on random tokens: the LM loss is near ln(vocab), and finite.
+        assert all(abs(loss - 4.852) < 0.5 for loss in r["train_loss"])
+    xmod = rows["xmod-a4k8"]
+    sparse = parse_model("xmod-a4k8", backbone).layout.num_sparse_layers
+    assert xmod["selected_fraction"] == pytest.approx(1 / 8)  # top-k routes exactly L/K
+    # Every sparse layer's routing step of every forward pass (training and top-k evaluation) went
+    # through megatron_xmod.kernels: 2 training passes (warm-up + timed), 2 evaluation passes.
+    assert sum(xmod["routing_step_calls"].values()) == sparse * 4
+    text = (tmp_path / "throughput_t.md").read_text()
+    assert "| xmod-a4k8 | 37 |" in text and "FLOP-ideal" in text
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--tiny", "--seq-len", "60"], "--seq-len: 60 is not divisible by K=8"),
+    (["--tiny", "--models", "dense", "moe"], "--models: \\['moe'\\] not among"),
+    (["--device", "tpu"], "--device: 'tpu' is not cpu or cuda"),
+    (["--backbone", "2b"], "backbone: '2b' is not one of"),
+])
+def test_bad_arguments_fail_before_any_work(argv, match, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        throughput.main(argv + ["--out", "/nonexistent/never-written"])
+    assert excinfo.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
