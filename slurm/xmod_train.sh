@@ -13,7 +13,7 @@
 # Environment (default):
 #   NODES    nodes (SLURM_JOB_NUM_NODES under sbatch; else 8 for 1.65b, 1 otherwise)
 #   NPROC    processes (GPUs) per node (8)        TP  tensor parallel (8 for 1.65b, 1 = DDP otherwise)
-#   PP       pipeline parallel (1)                SEQ sequence length (32768)
+#   PP       pipeline parallel (1; > 1 balances stages by cost)  SEQ sequence length (32768)
 #   GBS      sequences per step (80)              MBS micro-batch size (1)
 #   BACKBONE 165m|298m|556m|936m|1.65b (1.65b)    MODEL dense|mod|xmod-a4k8|xmod-a3k16|moe-8x64|moe-8x128|<layout>
 #   FLOPS    training compute C (2.5e20); ITERS overrides the iterations derived from it
@@ -121,8 +121,11 @@ fi
 WORLD_SIZE=$((NODES * NPROC))
 # shellcheck disable=SC2206
 EXTRA=(${EXTRA_ARGS:-})
+# PP > 1: cost-balanced pipeline stages (xmod partition), unless EXTRA_ARGS gives a split of its own
+PP_ARGS=()
+if [ "$PP" -gt 1 ]; then PP_ARGS=(--xmod-pipeline-balance auto); fi
 TRAIN_ARGS=("${MODEL_ARGS[@]}"
-  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" "${DEVICE_ARGS[@]}"
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" "${DEVICE_ARGS[@]}" "${PP_ARGS[@]}"
   --seq-length "$SEQ" --max-position-embeddings "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS"
   --train-iters "$ITERS" "${OPT_ARGS[@]}" --attention-dropout 0 --hidden-dropout 0
   "${DATA_ARGS[@]}"

@@ -76,6 +76,9 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--xmod-paper-schedule", action="store_true", help="1%% warmup, cosine to 10%% of peak")
     group.add_argument("--xmod-no-topk-validation", action="store_true",
                        help="skip the top-k routing comparison loss during validation")
+    group.add_argument("--xmod-pipeline-balance", default="default", choices=("default", "auto"),
+                       help="auto: with --pipeline-model-parallel-size > 1 and no split of your own, the cost-balanced "
+                            "--pipeline-model-parallel-layout of `xmod partition`")
     group.add_argument("--xmod-cpu", action="store_true",
                        help="megatron on a CPU: " + " ".join(CPU_FLAGS))
     group.add_argument("--xmod-megatron-args", default="auto", choices=("auto", "console", "file"),
@@ -151,7 +154,12 @@ def expand_arguments(argv: list[str]) -> list[str]:
     from megatron_xmod.moe.args import expand_moe_arguments
 
     # MoE presets size their experts from --ffn-hidden-size, which the backbone expansion provides.
-    return expand_moe_arguments(head + argv + tail)
+    expanded = expand_moe_arguments(head + argv + tail)
+    if pre.xmod_pipeline_balance == "auto":
+        from megatron_xmod.pipeline.auto import balanced_layout_flags
+
+        expanded = balanced_layout_flags(expanded, layout)
+    return expanded
 
 
 def ablation_flags(model: str, argv: list[str]) -> list[str]:

@@ -1,0 +1,58 @@
+"""Pipeline parallelism with the token-choice bias crossing stage boundaries (CPU/gloo, torchrun).
+
+megatron seeds every pipeline stage differently, so runs with different layouts start from one
+checkpoint: a PP1 run saves iteration 1 and stops; PP1, PP2 and PP2 x VPP2 runs load it (megatron's
+distributed checkpoint reshards it) and train on; the pipelined runs must reproduce PP1's losses,
+training and validation, with pipeline boundaries inside sparse blocks. The tiny model's layout
+``D + (S4*2 + D)*2 + D`` has sparse blocks at layers 2-3 and 5-6 (1-based).
+"""
+import pytest
+from entry_point_helpers import common_flags, torchrun, train_losses, validation_losses, write_byte_data
+
+pytestmark = pytest.mark.slow
+
+ROUTED = ["--xmod-routing-family", "xmod", "--xmod-layout", "D + (S4*2 + D)*2 + D",
+          "--xmod-token-choice-bias-tau", "0.5", "--xmod-no-topk-validation"]
+ITERS = 5
+
+
+def _run(nproc, data, *extra):
+    flags = common_flags(data, ITERS, "--eval-interval", "3", "--no-load-rng", *extra)
+    result = torchrun(nproc, ["-m", "megatron_xmod.pretrain"], [*ROUTED, *flags])
+    return train_losses(result.stdout), validation_losses(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The common start (PP1 saves iteration 1), and PP1's losses from there."""
+    root = tmp_path_factory.mktemp("pipeline")
+    data = write_byte_data(str(root / "bytes"))
+    checkpoint = root / "ckpt"
+    _run(1, data, "--save", str(checkpoint), "--save-interval", "1", "--exit-interval", "1")
+    return data, checkpoint, _run(1, data, "--load", str(checkpoint))
+
+
+def _from_common_start(reference, layout):
+    data, checkpoint, _ = reference
+    return _run(2, data, "--load", str(checkpoint), "--pipeline-model-parallel-size", "2",
+                "--pipeline-model-parallel-layout", layout)
+
+
+def _assert_same(reference, run):
+    (train_ref, valid_ref), (train, valid) = reference[2], run
+    assert sorted(train) == list(range(2, ITERS + 1))
+    for iteration, loss in train.items():
+        assert loss == pytest.approx(train_ref[iteration], rel=1e-5), (iteration, train, train_ref)
+    assert valid and valid.keys() == valid_ref.keys()
+    for iteration, values in valid.items():
+        assert values["lm loss"] == pytest.approx(valid_ref[iteration]["lm loss"], rel=1e-5)
+
+
+def test_pp2_boundary_inside_sparse_block_matches_pp1(reference):
+    # stage 2 starts at layer 3, the second sparse layer of the first block
+    _assert_same(reference, _from_common_start(reference, "Et*2|t*6L"))
+
+
+def test_pp2_vpp2_interleaved_matches_pp1(reference):
+    # chunks: [E 1 2] [3] [4 5] [6 7 8 L] on ranks 0 1 0 1: boundaries 2|3 and 5|6 split sparse blocks
+    _assert_same(reference, _from_common_start(reference, "Et*2|t|t*2|t*3L"))
