@@ -179,3 +179,70 @@ def test_cli_errors_name_the_field(tmp_path):
     result = xmod("import-hf", str(tmp_path), "--save", str(tmp_path / "s"))
     assert result.returncode == 2 and "folder:" in result.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "s").exists()
+
+
+# --- tokenizers ---------------------------------------------------------------------------------------------
+
+SAMPLE = "Now is the winter of our discontent\nMade glorious summer by this sun of York;  1592 ☃ naïve\n"
+
+
+def _saved_and_loaded(args, tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_xmod.hf.tokenizer_export import export_tokenizer
+
+    export_tokenizer(args, tmp_path)
+    return AutoTokenizer.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("vocab_size", [256, 257])
+def test_byte_tokenizer_is_megatrons_null_tokenizer(tmp_path, vocab_size):
+    import argparse
+
+    tok = _saved_and_loaded(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=vocab_size), tmp_path)
+    assert tok(SAMPLE)["input_ids"] == list(SAMPLE.encode())
+    assert tok.eos_token_id == vocab_size - 1 and tok.decode(list(SAMPLE.encode())) == SAMPLE
+
+
+def test_sentencepiece_tokenizer_exports_with_the_same_ids(tmp_path):
+    import argparse
+
+    import sentencepiece as spm
+    from helpers import english_bytes
+
+    from megatron_xmod.data.tokenizers import train_sentencepiece
+
+    text = tmp_path / "text.txt"
+    text.write_bytes(bytes(english_bytes().tolist()))
+    model = train_sentencepiece([text], vocab_size=400, out_prefix=tmp_path / "spm")
+    tok = _saved_and_loaded(argparse.Namespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(model)),
+                            tmp_path / "hf")
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    held_out = json.__doc__ + subprocess.__doc__ + SAMPLE  # text the model was not trained on
+    assert tok(held_out, add_special_tokens=False)["input_ids"] == sp.encode(held_out)
+    assert tok.decode(sp.encode(held_out)) == held_out and tok.eos_token_id == sp.eos_id()
+
+
+def test_gpt2_tokenizer_folder_exports(tmp_path):
+    import argparse
+
+    from megatron_xmod.data.tokenizers import GPT2Tokenizer, TokenizerFileError, write_gpt2_hf_files
+
+    try:
+        folder = write_gpt2_hf_files(tmp_path / "gpt2")
+    except TokenizerFileError as error:
+        pytest.skip(f"GPT-2 files not installed: {error}")
+    tok = _saved_and_loaded(argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(folder)),
+                            tmp_path / "hf")
+    assert tok(SAMPLE)["input_ids"] == GPT2Tokenizer().encode(SAMPLE) and tok.eos_token_id == 50256
+
+
+def test_unsupported_tokenizer_names_the_field(tmp_path):
+    import argparse
+
+    from megatron_xmod.hf.tokenizer_export import build_tokenizer
+
+    with pytest.raises(ValueError, match="^tokenizer_type: 'TikTokenizer'"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="TikTokenizer"))
+    with pytest.raises(ValueError, match="^tokenizer_model: .* does not exist"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(tmp_path / "x")))
