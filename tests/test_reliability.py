@@ -281,6 +281,17 @@ def test_missing_or_garbage_tracker_is_an_error(tmp_path):
     check_load(SimpleNamespace(load=str(tmp_path / "fresh"), ckpt_step=None))  # nothing there: a fresh start
 
 
+def test_incomplete_iteration_is_set_aside_before_saving_it_again(tmp_path):
+    """megatron refuses to save into the non-empty directory a killed save left behind."""
+    fake_checkpoint(tmp_path, 3)
+    partial = fake_checkpoint(tmp_path, 6, tracker=False)  # the tracker still names 3
+    moved = checkpoints.set_aside_incomplete(str(tmp_path), 6)
+    assert moved is not None and not partial.exists() and os.path.isdir(moved)
+    assert checkpoints.iterations_found(str(tmp_path)) == [3]
+    assert not os.path.exists(checkpoints.manifest_path(str(tmp_path), 6))
+    assert checkpoints.set_aside_incomplete(str(tmp_path), 3) is None  # the tracked checkpoint stays
+
+
 def test_missing_manifest_loads_unverified(tmp_path, capsys):
     fake_checkpoint(tmp_path, 2)
     os.remove(tmp_path / "checksums_iter_0000002.json")

@@ -79,7 +79,7 @@ def test_missing_tracker_is_an_error_before_the_model_is_built(reference, byte_d
     """Before the fix: a silent fresh start next to the old checkpoints, exit 0."""
     ckpt = copy_of(reference[0], tmp_path)
     os.remove(ckpt / checkpoints.TRACKER)
-    result = launch(byte_data, "--load", str(ckpt), "--save", str(ckpt), timeout=600)
+    result = launch(byte_data, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "3", timeout=600)
     assert result.returncode != 0
     text = output(result)
     assert "holds checkpoints of iterations 3, 6 but no latest_checkpointed_iteration.txt" in text
@@ -97,6 +97,8 @@ def test_kill_9_during_a_save_resumes_from_the_last_complete_checkpoint(referenc
     resumed = launch(byte_data, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "3")
     assert resumed.returncode == 0, output(resumed)[-5000:]
     assert "checkpoint iteration 3 of" in resumed.stdout and "verified against its manifest" in resumed.stdout
+    # megatron would refuse to save 6 into the half-written directory: it is moved aside first
+    assert "iter_0000006 was not a complete checkpoint" in resumed.stdout
     losses, expected = train_losses(resumed.stdout), reference[1]
     assert sorted(losses) == [4, 5, 6]
     # the 2nd logged iteration after a start is megatron's average of two (training.py should_reset)

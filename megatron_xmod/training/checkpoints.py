@@ -261,6 +261,37 @@ def check_finite_before_save(model_chunks, iteration: int) -> None:
             "gradient clipping (--clip-grad) or --check-for-nan-in-loss-and-grad (the default)")
 
 
+def set_aside_incomplete(save_dir: str, iteration: int, release: bool = False) -> Optional[str]:
+    """Every rank calls this before megatron saves ``iteration``. A directory of that iteration which
+    the tracker does not name is what a run killed during its save left behind; megatron's
+    distributed save refuses a non-empty directory (dist_checkpointing/serialization.py:420), so the
+    resumed run would crash at that very save. Rank 0 renames it ``iter_NNNNNNN.incomplete-<time>``
+    (kept for inspection; ``xmod ckpt verify`` ignores it). Returns the new name, on rank 0."""
+    import time
+
+    import torch
+
+    rank, _ = _rank_world()
+    moved = None
+    directory = os.path.join(save_dir, iteration_dir_name(iteration, release))
+    if rank == 0 and os.path.isdir(directory):
+        try:
+            tracked = read_tracker(save_dir)
+        except CheckpointError:
+            tracked = None
+        if tracked != (iteration, release):
+            moved = f"{directory}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.replace(directory, moved)
+            stale = manifest_path(save_dir, iteration, release)
+            if os.path.exists(stale):
+                os.replace(stale, moved + ".json")
+            print(f"[xmod] {directory} was not a complete checkpoint (the tracker does not name it: a save that "
+                  f"was interrupted); moved to {moved} before saving iteration {iteration} again", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return moved
+
+
 def manifest_after_save(save_dir: str, iteration: int, release: bool = False) -> Optional[str]:
     """Every rank calls this after megatron's save returned; rank 0 writes the manifest."""
     import torch

@@ -338,7 +338,9 @@ def checkpoint_integrity() -> None:
     training/checkpointing.py (save at training.py:2181/2273/3086, load at training.py:2199). Wrap
     both names in training.py (see :mod:`megatron_xmod.training.checkpoints`):
 
-    - save: refuse non-finite weights (every rank, before megatron writes anything); after megatron's
+    - save: refuse non-finite weights (every rank, before megatron writes anything); set aside a
+      directory of the same iteration left by an interrupted save (megatron refuses to save into a
+      non-empty one, dist_checkpointing/serialization.py:420); after megatron's
       save (tracker written), the checksum manifest. With ``--async-save`` the files are not complete
       when megatron returns, so no manifest is written (a warning says so). training.py:3871 saves on
       the NaN/rerun exit path even without ``--save`` (``os.path.join(None, ...)``: TypeError); here
@@ -368,6 +370,8 @@ def checkpoint_integrity() -> None:
             return None
         model = bound["model"]
         checkpoints.check_finite_before_save(model if isinstance(model, (list, tuple)) else [model], iteration)
+        if not bound.get("non_persistent_ckpt", False):
+            checkpoints.set_aside_incomplete(run_args.save, iteration, release)
         result = save(*args, **kwargs)
         if bound.get("non_persistent_ckpt", False):
             return result
