@@ -145,3 +145,16 @@ def test_pipeline_balance_auto_adds_the_layout():
                             "Et*40|t*40|t*40|t*41L", "--xmod-pipeline-balance", "auto"])
     assert own.count("--pipeline-model-parallel-layout") == 1 and "Et*40|t*40|t*40|t*41L" in own
     assert "--pipeline-model-parallel-layout" not in expand_arguments([*base, "--xmod-pipeline-balance", "auto"])
+
+
+@pytest.mark.parametrize("pp,vpp,microbatches", [(4, 1, 8), (4, 2, 8), (8, 4, 16)])
+def test_schedule_simulation_has_the_textbook_bubble(pp, vpp, microbatches):
+    from megatron_xmod.pipeline.schedule import simulate
+
+    # equal chunks: bubble = ((pp - 1) / vpp) / (m + (pp - 1) / vpp) (Narayanan et al., 2021)
+    simulation = simulate([1.0] * (pp * vpp), pp, microbatches)
+    assert simulation.bubble == pytest.approx(((pp - 1) / vpp) / (microbatches + (pp - 1) / vpp))
+    # the slowest stage sets the step: one chunk twice as slow stretches the 1F1B step
+    if vpp == 1:
+        slow = simulate([1.0] * (pp - 1) + [2.0], pp, microbatches)
+        assert slow.step_time >= 2.0 * microbatches
