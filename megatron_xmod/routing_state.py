@@ -42,6 +42,9 @@ class RoutingState:
         # Callables (layer_number, router logits, RoutingDecision) that see every sparse layer's routing
         # as it happens (the routing report's recorder, megatron_xmod.diagnostics); empty in training.
         self.observers: list[Callable] = []
+        # False while a pass runs that must not count in the interval statistics (the top-k comparison
+        # pass of validation, training/step.py): see :func:`statistics_paused`.
+        self.recording = True
         # Routed layers' activation-memory and full-recompute hand-overs (megatron_xmod.memory).
         self.router_inputs = RouterInputCarry()
         self.recompute_replay = RecomputeReplay()
@@ -68,6 +71,8 @@ class RoutingState:
 
     # --- statistics ---------------------------------------------------------------------------------
     def record(self, name: str, layer_number: int, value: torch.Tensor) -> None:
+        if not self.recording:
+            return
         key = (name, layer_number)
         value = value.detach().float()
         self._sums[key] = value if key not in self._sums else self._sums[key] + value
@@ -152,6 +157,21 @@ def eval_routing(model_chunks, rule: str):
     finally:
         for state, rule_before in zip(states, previous):
             state.eval_rule = rule_before
+
+
+@contextlib.contextmanager
+def statistics_paused(model_chunks):
+    """Run a pass that leaves the interval statistics alone (the validation's top-k comparison: the
+    eval_* statistics then describe the evaluation rule only)."""
+    states = routing_states(model_chunks)
+    previous = [state.recording for state in states]
+    for state in states:
+        state.recording = False
+    try:
+        yield
+    finally:
+        for state, before in zip(states, previous):
+            state.recording = before
 
 
 def take_microbatch_loss(model_chunks) -> Optional[torch.Tensor]:

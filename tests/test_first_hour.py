@@ -278,3 +278,34 @@ def test_preprocess_refuses_a_bad_sentencepiece_model(tmp_path):
         preprocess([text], tmp_path / "out", tokenizer="sentencepiece", tokenizer_model=model, progress=False)
     with pytest.raises(ValueError, match="train_tokenizer: trains a SentencePiece model"):
         preprocess([text], tmp_path / "out", tokenizer="bytes", train_tokenizer=500, progress=False)
+
+
+def test_validation_statistics_describe_the_evaluation_rule_only(seeded):
+    """The top-k comparison pass of validation (training/step.py) runs under statistics_paused, so the
+    eval_* statistics are those of the threshold pass alone."""
+    from helpers import tiny_model
+
+    from megatron_xmod.routing_state import eval_routing, per_layer, routing_states, statistics_paused
+
+    model, _ = tiny_model("D + (S4*2 + D)")
+    model.eval()
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        with torch.no_grad():
+            model(tokens, torch.arange(64).expand_as(tokens), None)
+
+    names = ["eval_selected_fraction", "eval_coverage"]
+    forward()  # threshold rule alone
+    alone = per_layer(model, names)
+    for state in routing_states(model):
+        state.forget(names)
+    forward()
+    with eval_routing(model, "topk"), statistics_paused(model):
+        forward()
+    assert per_layer(model, names) == alone
+    with eval_routing(model, "topk"):
+        forward()  # not paused: top-k routes exactly 1/4, which now mixes in
+    mixed = per_layer(model, names)["eval_selected_fraction"]
+    for layer, value in alone["eval_selected_fraction"].items():
+        assert mixed[layer] == pytest.approx((value + 0.25) / 2)

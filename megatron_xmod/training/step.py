@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from megatron_xmod.routing_state import eval_routing, routing_states, take_microbatch_loss
+from megatron_xmod.routing_state import eval_routing, routing_states, statistics_paused, take_microbatch_loss
 
 NONFINITE = "nonfinite_router_logits"
 
@@ -143,7 +143,8 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     routed = [] if model.training or get_args().xmod_no_topk_validation else sparse_layers(model)
     if routed and parallel_state.get_pipeline_model_parallel_world_size() == 1:
         rule = "topk" if routed[0].routing_state.eval_rule == "threshold" else "threshold"
-        with eval_routing(model, rule), torch.no_grad():
+        # statistics_paused: the eval_* routing statistics describe the evaluation rule, not this comparison.
+        with eval_routing(model, rule), statistics_paused(model), torch.no_grad():
             topk_losses = model(tokens, position_ids, attention_mask, labels=labels)
     return output, partial(loss_func, loss_mask, router_bce, topk_losses, lm_z_loss,
                            nonfinite=nonfinite_since(model, before))
