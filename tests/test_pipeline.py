@@ -158,3 +158,28 @@ def test_schedule_simulation_has_the_textbook_bubble(pp, vpp, microbatches):
     if vpp == 1:
         slow = simulate([1.0] * (pp - 1) + [2.0], pp, microbatches)
         assert slow.step_time >= 2.0 * microbatches
+
+
+def test_dropping_the_bias_at_a_boundary_changes_the_model(seeded, monkeypatch):
+    """The PP loss-equality tests (test_pipeline_parallel.py) would catch a bias lost at their
+    boundaries: restarting b at layer 3 or 6 of their layout changes the logits."""
+    import torch
+    from helpers import tiny_model
+
+    from megatron_xmod.routing_state import RoutingState
+
+    model, _ = tiny_model("D + (S4*2 + D)*2 + D", xmod_token_choice_bias_tau=0.5)
+    model.train()
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(64).expand_as(tokens)
+    with torch.no_grad():
+        carried = model(tokens, positions, None)
+    take_bias = RoutingState.take_bias
+
+    def lost_at_boundaries(self, layer_number, shape):
+        return (None, None) if layer_number in (3, 6) else take_bias(self, layer_number, shape)
+
+    monkeypatch.setattr(RoutingState, "take_bias", lost_at_boundaries)
+    with torch.no_grad():
+        lost = model(tokens, positions, None)
+    assert not torch.allclose(carried, lost)
