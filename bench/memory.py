@@ -36,14 +36,18 @@ def saved_bytes_per_layer(model, x, rope):
     """Run the decoder layers of ``model`` on ``x``; {layer index: bytes first saved while it ran}."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen, current = {}, [0]
+    # The graph keeps a number, this list the tensor: returning a saved output itself from the pack
+    # hook would make a tensor -> grad_fn -> tensor cycle that nothing frees.
+    kept = []
 
     def pack(t):
         storage = t.untyped_storage()
         if storage.data_ptr() not in params and storage.data_ptr() not in seen:
             seen[storage.data_ptr()] = (current[0], storage.nbytes())
-        return t
+        kept.append(t)
+        return len(kept) - 1
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, kept.__getitem__):
         h = x
         for i, layer in enumerate(model.decoder.layers):
             current[0] = i
@@ -52,6 +56,7 @@ def saved_bytes_per_layer(model, x, rope):
     for layer, nbytes in seen.values():
         per_layer[layer] += nbytes
     del h
+    kept.clear()
     return per_layer
 
 

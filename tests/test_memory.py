@@ -54,14 +54,15 @@ def test_chained_router_gradients_equal_plain_linear_bit_for_bit(seeded, monkeyp
 def _saved_storages(model, run):
     """{storage pointer: (shape, bytes)} of every tensor autograd saves while ``run`` runs (no parameters)."""
     params = {p.data_ptr() for p in model.parameters()}
-    saved = {}
+    saved, kept = {}, []  # the graph keeps indices into ``kept`` (a saved output returned by the hook is a cycle)
 
     def pack(t):
         if t.untyped_storage().data_ptr() not in params:
             saved[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.untyped_storage().nbytes())
-        return t
+        kept.append(t)
+        return len(kept) - 1
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, kept.__getitem__):
         out = run()
     return saved, out
 
@@ -112,9 +113,9 @@ def _measure_layers(layout, family="xmod", seq=64):
         if storage.data_ptr() not in params and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             per_layer[current[0]] += storage.nbytes()
-        return t
+        return None  # no backward here: keep nothing (a saved output returned by the hook is a cycle)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
         h = x
         for i, layer in enumerate(model.decoder.layers):
             current[0] = i

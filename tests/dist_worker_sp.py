@@ -1,0 +1,147 @@
+"""torchrun worker for test_sequence_parallel.py (not collected: no test_ prefix), 2 gloo processes.
+Usage: <family> <steps>
+
+Trains the same tiny routed model twice from the same weights on the same batches: first at TP1 (the
+two processes are data-parallel replicas with identical data), then at TP2 with sequence parallelism
+(each rank holds half of every sequence); both through megatron's DistributedDataParallel and
+finalize_model_grads. Rank 0 prints one JSON line per run: the losses, the routed sets of every
+sparse layer at every step (training top-k, then evaluation threshold), and the eval loss.
+"""
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from megatron_xmod.training.patches import cpu_patches  # noqa: E402
+
+SEQ, BATCH, LAYOUT = 32, 2, "D + (S4*2 + D)"
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for the local spec under sequence parallelism (megatron's WrappedTorchNorm
+    refuses it; TransformerEngine's TENorm, which GPU runs use, supports it): tags its weight for
+    megatron's gradient all-reduce across the TP ranks, as TENorm does."""
+
+    def __init__(self, config, hidden_size, eps=1e-5, **unused):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _spec(config):
+    import dataclasses
+
+    from megatron_xmod.block import get_xmod_decoder_block_spec
+
+    spec = get_xmod_decoder_block_spec(config, use_transformer_engine=False)
+
+    def swap(submodules):
+        attention = submodules.self_attention
+        attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+            attention.submodules, q_layernorm=SequenceParallelRMSNorm, k_layernorm=SequenceParallelRMSNorm))
+        return dataclasses.replace(submodules, input_layernorm=SequenceParallelRMSNorm, self_attention=attention,
+                                   pre_mlp_layernorm=SequenceParallelRMSNorm)
+
+    layers = [dataclasses.replace(s, submodules=swap(s.submodules)) for s in spec.layer_specs]
+    return dataclasses.replace(spec, layer_specs=layers, layer_norm=SequenceParallelRMSNorm)
+
+
+def _build(family, tp, full_state=None):
+    from helpers import TINY
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_xmod.model import build_gpt_model, config_from_backbone
+
+    config = config_from_backbone(TINY, LAYOUT, use_cpu_initialization=True, xmod_routing_family=family,
+                                  tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    model = build_gpt_model(config, TINY.vocab_size, SEQ, rotary_base=TINY.rotary_base,
+                            transformer_layer_spec=_spec(config))
+    if full_state is not None:
+        model.load_state_dict(_shard(full_state, model.state_dict(), tp))
+    return DistributedDataParallel(config, DistributedDataParallelConfig(), model), model
+
+
+def _shard(full, local, tp):
+    """This TP rank's part of a TP1 state dict (megatron's partitioning: the one dimension that differs;
+    SwiGLU's fc1 holds [gate; up] and each rank gets its slice of both)."""
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    out = {}
+    for name, tensor in local.items():
+        if not torch.is_tensor(tensor):  # megatron's _extra_state entries
+            out[name] = tensor
+            continue
+        source = full[name]
+        if tensor.shape == source.shape:
+            out[name] = source
+            continue
+        if name.endswith("linear_fc1.weight"):
+            out[name] = torch.cat([half.chunk(tp, 0)[rank] for half in source.chunk(2, 0)])
+            continue
+        dim = next(d for d in range(tensor.dim()) if tensor.shape[d] != source.shape[d])
+        out[name] = source.chunk(tp, dim)[rank]
+    return out
+
+
+def _train(ddp, model, steps):
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_xmod.model import sparse_layers
+
+    routed = []
+    state = sparse_layers(model)[0].routing_state
+    state.observers.append(lambda layer, logits, decision: routed.append(
+        hashlib.sha1(decision.selected.cpu().numpy().tobytes()).hexdigest()[:12]))
+    g = torch.Generator().manual_seed(7)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        tokens = torch.randint(0, 256, (BATCH, SEQ), generator=g)
+        ddp.zero_grad_buffer()
+        loss = model(tokens, torch.arange(SEQ).expand_as(tokens), None, labels=tokens).float().mean()
+        loss.backward()
+        finalize_model_grads([ddp])
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.5 * p.main_grad
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():  # evaluation: the threshold rule
+        tokens = torch.randint(0, 256, (BATCH, SEQ), generator=g)
+        eval_loss = model(tokens, torch.arange(SEQ).expand_as(tokens), None, labels=tokens).float().mean().item()
+    return dict(losses=losses, routed=routed, eval_loss=eval_loss)
+
+
+def main(family: str, steps: int) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_xmod.model import sparse_layers
+
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    ddp, model = _build(family, 1)
+    with torch.no_grad():  # content-dependent routing with margins (fp32 reduction order cannot flip it)
+        for layer in sparse_layers(model):
+            layer.router.weight.mul_(20.0)
+    initial = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    tp1 = _train(ddp, model, steps)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(0)
+    ddp, model = _build(family, 2, initial)
+    tp2 = _train(ddp, model, steps)
+    if rank == 0:
+        print("RESULT " + json.dumps(dict(family=family, tp1=tp1, tp2_sp=tp2)), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with cpu_patches(training=False):  # megatron-core on CPU, as tests/conftest.py
+        main(sys.argv[1], int(sys.argv[2]))
