@@ -222,6 +222,41 @@ def _export(hf, folder):
         shutil.copyfile(source, os.path.join(folder, name))
 
 
+def test_exported_files_import_only_torch_and_transformers():
+    """What an exported folder runs must import nothing of megatron or megatron_xmod at module level
+    (the modeling file's package fallback sits in the except branch of its relative imports)."""
+    import ast
+
+    allowed = {"torch", "transformers", "__future__"} | set(sys.stdlib_module_names)
+    for name, source in EXPORTED_FILES.items():
+        tree = ast.parse(source.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Try):  # try: from .x import ...  except ImportError: from megatron_xmod...
+                assert all(isinstance(n, ast.ImportFrom) and n.level == 1 for n in node.body), name
+                continue
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots = {"." if node.level else node.module.split(".")[0]}
+            else:
+                continue
+            assert roots <= allowed, (name, roots)
+
+
+def test_moe_router_state_stays_fp32_in_a_bf16_model(tmp_path):
+    cfg = XModHFConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                       num_experts=4, moe_intermediate_size=8, moe_router_type="dtopp", moe_routing_norm="learnable")
+    model = XModForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.layers[0].mlp.router.dtopp_threshold.fill_(0.55)
+    model.save_pretrained(tmp_path)
+    loaded = XModForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    router = loaded.model.layers[0].mlp.router
+    assert loaded.model.layers[0].mlp.experts[0].up_proj.weight.dtype == torch.bfloat16
+    assert router.dtopp_threshold.dtype == torch.float32 and router.dtopp_threshold.item() == torch.tensor(0.55).item()
+    assert loaded(torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
+
+
 HIDE_MEGATRON = textwrap.dedent("""
     import importlib.abc, json, sys
     class Hide(importlib.abc.MetaPathFinder):

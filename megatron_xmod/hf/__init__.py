@@ -8,10 +8,11 @@ files load it with ``trust_remote_code=True``. Nothing here imports megatron.
 """
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from megatron_xmod.hf.cache import XModCache, dense_cache_bytes
 from megatron_xmod.hf.configuration_xmod import XModHFConfig
 from megatron_xmod.hf.modeling_xmod import XModForCausalLM
 
 AutoConfig.register(XModHFConfig.model_type, XModHFConfig, exist_ok=True)
 AutoModelForCausalLM.register(XModHFConfig, XModForCausalLM, exist_ok=True)
 
-__all__ = ["XModHFConfig", "XModForCausalLM"]
+__all__ = ["XModHFConfig", "XModForCausalLM", "XModCache", "dense_cache_bytes"]

@@ -250,6 +250,9 @@ class XModPreTrainedModel(PreTrainedModel):
     config_class = XModHFConfig
     base_model_prefix = "model"
     _no_split_modules = ["XModDecoderLayer"]
+    # The MoE router state decides routing by comparisons (Top-p threshold, expert bias): fp32 whatever
+    # the load dtype, as megatron keeps it (its router also computes in fp32 from these weights).
+    _keep_in_fp32_modules_strict = ["mlp.router"]
     supports_gradient_checkpointing = False
 
     @classmethod

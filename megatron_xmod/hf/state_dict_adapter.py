@@ -144,7 +144,9 @@ def _routing_fields(c) -> dict:
         layout=layout.notation,
         token_choice_bias_tau=float(c.xmod_token_choice_bias_tau),
         token_choice_bias_increment=float(c.xmod_token_choice_bias_increment),
-        routing_rule=getattr(c, "xmod_eval_routing", "threshold"),
+        # The exported model decodes token by token: the causal threshold rule, whatever the run evaluated
+        # with (top-k stays selectable per call, forward(routing_rule="topk"), for full-sequence scoring).
+        routing_rule="threshold",
     )
 
 
