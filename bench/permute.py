@@ -9,7 +9,8 @@ backend's primitives (no autograd, no input checks):
     scatter.fwd  scatter_add_gated(x, y, gate, idx)       x + gate * y at the routed rows
     scatter.bwd  scatter_backward(dout, y, gate, idx)     d y and d gate
 
-Each is compared with ``dst.copy_(src)`` moving the same number of bytes (``minimal_bytes``: what
+The fused routing step (``routing.fwd``: Triton vs its torch path, fp32 logits) is timed first,
+per L and b. Each is compared with ``dst.copy_(src)`` moving the same number of bytes (``minimal_bytes``: what
 an ideal kernel must read plus write), timed the same way; ``of copy`` = copy time / kernel time.
 
 Timing on GPU: ``triton.testing.do_bench`` (median; it clears the L2 cache with a 256 MB write
@@ -139,6 +140,29 @@ def bench_shape(backends, L, h, K, b, dtype, device, timer, copy_buffers):
     return rows
 
 
+def bench_routing(L, K, b, device, timer, copy_buffers):
+    """The fused routing step (megatron_xmod.kernels) vs its torch path, forward, fp32 logits [L, b]:
+    is one program per sequence fast enough against torch.topk + sort + the elementwise ops?"""
+    from megatron_xmod.kernels import routing_step
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(L, b, generator=gen, device=device)
+    carried = (torch.rand(L, b, generator=gen, device=device) < 0.3).float()
+    k = L // K
+    # read logits + bias; write scores, bias, mask, slot; write indices and gates
+    nbytes = L * b * (4 + 4 + 4 + 4 + 1 + 4) + k * b * (8 + 4)
+    src, dst = copy_buffers
+    copy_s = timer(lambda: dst[: nbytes // 2].copy_(src[: nbytes // 2]))
+    rows = []
+    backends = ["torch"] + (["triton"] if device.type == "cuda" else [])
+    for backend in backends:
+        sec = timer(lambda be=backend: routing_step(logits, K, "topk", carried, 0.5, backend=be))
+        rows.append(dict(backend=backend, op="routing.fwd", L=L, h=0, K=K, k=k, b=b, dtype="float32", us=sec * 1e6,
+                         bytes=nbytes, gbps=nbytes / sec / 1e9, copy_us=copy_s * 1e6, copy_gbps=nbytes / copy_s / 1e9,
+                         of_copy=copy_s / sec))
+    return rows
+
+
 def sanitize_case(device) -> int:
     """One small call of every kernel backend's primitives and of the fused routing step, checked
     against the torch reference: the workload compute-sanitizer inspects (bench/gpu_check.sh)."""
@@ -220,6 +244,18 @@ def main(argv=None):
     stream = open(os.path.join(a.out, f"permute_{tag}.jsonl"), "w")
     print(f"device {machine_name(device)}; backends {a.backends}", flush=True)
     rows, t_start, cut = [], time.monotonic(), False
+
+    def keep(r):
+        rows.append(r)
+        stream.write(json.dumps(r) + "\n")
+        stream.flush()
+        print(f"  {r['backend']:6s} {r['op']:11s} {r['dtype']:8s} L={r['L']:6d} h={r['h']:5d} b={r['b']} K={r['K']:2d}: "
+              f"{r['us']:10.1f} us {r['gbps']:8.1f} GB/s ({r['of_copy']:6.1%} of copy)", flush=True)
+
+    for L in a.L:
+        for b in a.b:
+            for r in bench_routing(L, min(a.K), b, device, timer, copy_buffers):
+                keep(r)
     for dname in a.dtypes:
         for L in a.L:
             for h in a.h:
@@ -229,11 +265,7 @@ def main(argv=None):
                             cut = True
                             break
                         for r in bench_shape(a.backends, L, h, K, b, DTYPES[dname], device, timer, copy_buffers):
-                            rows.append(r)
-                            stream.write(json.dumps(r) + "\n")
-                            stream.flush()
-                            print(f"  {r['backend']:6s} {r['op']:11s} {r['dtype']:8s} L={L:6d} h={h:5d} b={b} K={K:2d}: "
-                                  f"{r['us']:10.1f} us {r['gbps']:8.1f} GB/s ({r['of_copy']:6.1%} of copy)", flush=True)
+                            keep(r)
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
     stream.close()

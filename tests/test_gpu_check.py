@@ -40,8 +40,8 @@ def test_cpu_mode_runs_every_step(tmp_path):
     assert int(suite.get("tests")) >= 4 and suite.get("failures") == "0" and suite.get("errors") == "0"
     assert "0 mismatches" in (tmp_path / "memcheck.log").read_text()
     rows = [json.loads(line) for line in (tmp_path / "permute_cpu.jsonl").read_text().splitlines()]
-    assert {(r["op"], r["b"]) for r in rows} == {(op, b) for op in ("gather.fwd", "gather.bwd", "scatter.fwd",
-                                                                     "scatter.bwd") for b in (1, 2)}
+    ops = ("routing.fwd", "gather.fwd", "gather.bwd", "scatter.fwd", "scatter.bwd")
+    assert {(r["op"], r["b"]) for r in rows} == {(op, b) for op in ops for b in (1, 2)}
     assert all(r["us"] > 0 and r["of_copy"] > 0 for r in rows)
     ops = json.loads((tmp_path / "ops_cpu.json").read_text())["rows"]
     kernels = {(r["layer"], r["phase"]): r["kernels"] for r in ops}

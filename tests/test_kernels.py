@@ -21,9 +21,9 @@ HAS_GPU = torch.cuda.is_available()
 needs_interp = pytest.mark.skipif(not INTERP, reason="runs inside test_triton_routing_interpreter's subprocess")
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 
-# (s, K, b): several sequences, k = s (K = 1), s over one selection chunk (1100 > 1024), a single
+# (s, K, b): several sequences, k = s (K = 1), s over one selection chunk (2100 > 2048), a single
 # routed token (K = s).
-SHAPES = [(64, 8, 3), (16, 1, 1), (1100, 4, 1), (32, 32, 2)]
+SHAPES = [(64, 8, 3), (16, 1, 1), (2100, 4, 1), (32, 32, 2)]
 
 
 def make_case(shape, carried=True, seed=0, device="cpu"):

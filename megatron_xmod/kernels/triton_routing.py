@@ -7,8 +7,8 @@ below are defined, so the CPU interpreter only works if it is set before this im
 One launch forward, one backward, instead of the torch path's ~12 ops forward and ~6 backward:
 
 - ``_select_kernel`` (one program per sequence): the bias-adjusted score s - tau*b (Eq.8), the
-  exact top-k of the scores by a 32-step bisection on their order-preserving integer keys (no
-  sort: ties at the k-th value go to the earliest positions), then one pass in position order
+  exact top-k of the scores by a radix search on their order-preserving integer keys (8 passes of
+  4 bits; no sort: ties at the k-th value go to the earliest positions), then one pass in position order
   that writes the scores, the sorted indices, the selected mask, the updated bias
   b + increment*selected, the gate r = sigmoid(score) of every routed token and each token's slot
   j in the routed list (-1 if not routed; the backward reads it);
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-_SELECT_BLOCK = 1024  # tokens per chunk of the selection passes
+_SELECT_BLOCK = 2048  # tokens per chunk of the selection passes
 _BLOCK_S = 256  # tokens per program of the backward
 
 
@@ -45,17 +45,21 @@ def _order_key(v):
 def _select_kernel(logits_ptr, carry_ptr, scores_ptr, idx_ptr, gate_ptr, mask_ptr, bias_ptr, slot_ptr,
                    s, b, k, tau, increment, HAS_CARRY: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
-    # The k-th largest key T: the largest T with #{key >= T} >= k, built bit by bit.
+    # The k-th largest key T: the largest T with #{key >= T} >= k, built 4 bits a pass (8 passes):
+    # each pass counts the keys above 16 candidate digits at once and keeps the largest that
+    # still leaves k keys (digit 0 always does).
+    digits = tl.arange(0, 16).to(tl.int64)
     thresh = tl.zeros([], dtype=tl.int64)
-    for i in tl.static_range(32):
-        cand = thresh + (1 << (31 - i))
-        count = tl.zeros([], dtype=tl.int64)
+    for i in tl.static_range(8):
+        cands = thresh + (digits << (28 - 4 * i))
+        counts = tl.zeros([16], dtype=tl.int32)
         for s0 in range(0, s, BLOCK):
             t = s0 + tl.arange(0, BLOCK).to(tl.int64)
             tm = t < s
             key = _order_key(_score(logits_ptr, carry_ptr, t * b + c, tm, tau, HAS_CARRY))
-            count += tl.sum((tm & (key >= cand)).to(tl.int64), axis=0)
-        thresh = tl.where(count >= k, cand, thresh)
+            counts += tl.sum(((key[:, None] >= cands[None, :]) & tm[:, None]).to(tl.int32), axis=0)
+        best = tl.max(tl.where(counts >= k, digits, 0), axis=0)
+        thresh = thresh + (best << (28 - 4 * i))
     above = tl.zeros([], dtype=tl.int64)
     for s0 in range(0, s, BLOCK):
         t = s0 + tl.arange(0, BLOCK).to(tl.int64)
@@ -121,7 +125,7 @@ def forward(logits, carried, tau: float, k: int, increment: float):
         with torch.profiler.record_function("triton::routing_select"):  # bench/ops.py counts launches
             _select_kernel[(b,)](logits, carried if carried is not None else logits, scores, indices, gate, selected,
                                  bias, slot, s, b, k, float(tau), float(increment), HAS_CARRY=carried is not None,
-                                 BLOCK=min(_SELECT_BLOCK, triton.next_power_of_2(s)))
+                                 BLOCK=min(_SELECT_BLOCK, triton.next_power_of_2(s)), num_warps=8)
     return indices, selected.view(torch.bool), scores, gate, bias, slot
 
 
