@@ -153,7 +153,7 @@ step racecheck sanitize racecheck
 if [ "$MODE" = gpu ]; then
   step permute "$PY" bench/permute.py --out "$OUT" --tag gpu --max-seconds $((CAP[permute] - 15))
   step ops "$PY" bench/ops.py --device cuda --out "$OUT" --tag gpu
-  step throughput "$PY" bench/throughput.py --out "$OUT" --tag gpu
+  step throughput "$PY" bench/throughput.py --warmup 1 --steps 2 --eval-steps 1 --out "$OUT" --tag gpu
 else
   step permute "$PY" bench/permute.py --device cpu --L 256 --h 64 --b 1 2 --dtypes float32 --reps 2 --out "$OUT" --tag cpu
   step ops "$PY" bench/ops.py --paths torch --seq-len 16 --batch 1 --out "$OUT" --tag cpu
