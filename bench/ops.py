@@ -136,13 +136,16 @@ def profile_layer(layer, hidden, rope, device, before=None, with_stack=True):
 
 
 def _set_path(path):
+    import torch
+
     from megatron_xmod import kernels, permute
 
     # The permutation ops validate index values on CPU tensors only (a host sync on GPU): off here,
     # so that the CPU counts are the ops a GPU run issues.
     os.environ[permute.dispatch.ENV_CHECK] = "0"
     os.environ[kernels.ENV_BACKEND] = "triton" if path == "fused" else "torch"
-    permute.set_backend("triton" if path == "fused" else "torch")
+    # fused: the permutation backend a GPU run picks (CUDA extension, else Triton); Triton on CPU.
+    permute.set_backend("torch" if path == "torch" else None if torch.cuda.is_available() else "triton")
 
 
 def measure(paths, device_name="cpu", seq_len=64, batch=2):
