@@ -97,6 +97,15 @@ def hf_config_from_megatron(
         ("mtp_num_layers", None, "multi-token prediction heads are not exported"),
         ("rotary_scaling", False, "llama-3 RoPE scaling is not implemented"),
         ("window_size", None, "sliding-window attention is not implemented"),
+        ("softmax_scale", None, "a custom attention softmax scale is not implemented (1/sqrt(head_dim) is)"),
+        ("qk_l2_norm", False, "L2 QK-norm is not implemented (RMSNorm QK-norm, qk_layernorm, is)"),
+        ("no_rope_freq", None, "layers without RoPE are not implemented"),
+        ("experimental_attention_variant", None, "only softmax attention is implemented"),
+        ("linear_attention_freq", None, "linear-attention layers are not implemented"),
+        ("use_mup", False, "muP multipliers are not implemented"),
+        ("glu_linear_offset", 0.0, "a GLU linear offset is not implemented"),
+        ("activation_func_clamp_value", None, "activation clamping is not implemented"),
+        ("heterogeneous_block_specs", False, "heterogeneous blocks are not implemented"),
     ]
     for name, supported, why in checks:
         value = getattr(c, name, supported)
