@@ -37,18 +37,22 @@ def measure(folder: str, tokens: int, prompt: str, seed: int) -> dict:
         out = model.generate(ids, cache=cache, max_new_tokens=tokens - ids.shape[1], do_sample=True, top_k=50,
                              pad_token_id=tokenizer.eos_token_id or 0, min_new_tokens=tokens - ids.shape[1])
     seconds = time.perf_counter() - start
-    total = out.shape[1]
+    total = cache.seen_tokens  # the last sampled token is never fed back, so it is not cached
+    trained = min(cfg.max_position_embeddings, total)
     nbytes = cache.nbytes()
     dense_total = dense_cache_bytes(cfg, total, dtype=model.dtype)
     per_layer_dense = dense_total // cfg.num_hidden_layers
     layers = [dict(layer=i, kind=cfg.layer_kinds[i], k=cfg.layer_sparsity_k[i], entries=entries,
-                   routed_fraction=entries / total, bytes=b, dense_bytes=per_layer_dense)
-              for i, (entries, b) in enumerate(zip(cache.entries(), nbytes["per_layer"]))]
+                   routed_fraction=entries / total, bytes=b, dense_bytes=per_layer_dense,
+                   # positions the model was trained at (RoPE beyond them is extrapolation)
+                   routed_fraction_trained_positions=int((layer.positions[layer.valid] < trained).sum()) / trained
+                   if layer.positions is not None else 0.0)
+              for i, (entries, b, layer) in enumerate(zip(cache.entries(), nbytes["per_layer"], cache.layers))]
     sparse_layers = [row for row in layers if row["kind"] == "sparse"]
     return dict(
         date=datetime.date.today().isoformat(), machine=f"{platform.node()}: 2-core CPU dev machine, no GPU",
         model=folder, layout=cfg.layout, dtype=str(model.dtype).removeprefix("torch."), tokens=total,
-        prompt_tokens=ids.shape[1], seconds=round(seconds, 1), cache_bytes=nbytes["total"],
+        prompt_tokens=ids.shape[1], trained_positions=trained, seconds=round(seconds, 1), cache_bytes=nbytes["total"],
         dense_cache_bytes=dense_total, ratio=nbytes["total"] / dense_total,
         sparse_layer_ratio=(sum(r["bytes"] for r in sparse_layers) / (per_layer_dense * len(sparse_layers))
                             if sparse_layers else None),
@@ -58,15 +62,20 @@ def measure(folder: str, tokens: int, prompt: str, seed: int) -> dict:
 
 def markdown(result: dict) -> str:
     mib = 2 ** 20
-    lines = [f"# KV cache of a {result['tokens']}-token generation ({result['date']}, {result['machine']})", "",
+    sparse = [r for r in result["layers"] if r["kind"] == "sparse"]
+    lines = [f"# KV cache of a {result['tokens'] + 1}-token generation ({result['date']}, {result['machine']})", "",
              f"Model `{result['model']}`, layout `{result['layout']}`, {result['dtype']}; "
-             f"{result['prompt_tokens']} prompt tokens, sampled (top-k 50, fixed seed), {result['seconds']} s.", "",
+             f"{result['prompt_tokens']} prompt tokens, sampled (top-k 50, fixed seed), {result['seconds']} s; "
+             f"{result['tokens']} tokens cached (the last sampled token is never fed back).", "",
              f"Sparse cache {result['cache_bytes'] / mib:.2f} MiB vs dense cache {result['dense_cache_bytes'] / mib:.2f} MiB "
-             f"(ratio {result['ratio']:.3f}); sparse layers hold {result['sparse_layer_ratio']:.3f} of a dense layer's bytes.",
-             "", "| layer | kind | K | entries | routed fraction | bytes | dense bytes |", "|---|---|---|---|---|---|---|"]
+             f"(ratio {result['ratio']:.3f}); sparse layers hold {result['sparse_layer_ratio']:.3f} of a dense layer's bytes "
+             f"(a router whose threshold rule agrees with top-k would hold 1/K = "
+             f"{sum(1 / r['k'] for r in sparse) / max(1, len(sparse)):.3f}).",
+             "", f"| layer | kind | K | entries | routed fraction | same, positions < {result['trained_positions']} "
+             "| bytes | dense bytes |", "|---|---|---|---|---|---|---|---|"]
     for r in result["layers"]:
         lines.append(f"| {r['layer']} | {r['kind']} | {r['k']} | {r['entries']} | {r['routed_fraction']:.3f} | "
-                     f"{r['bytes']} | {r['dense_bytes']} |")
+                     f"{r['routed_fraction_trained_positions']:.3f} | {r['bytes']} | {r['dense_bytes']} |")
     return "\n".join(lines) + "\n"
 
 
