@@ -7,10 +7,11 @@ their own. The virtual stages per rank come from ``--num-virtual-stages-per-pipe
 from __future__ import annotations
 
 import argparse
+import os
 
 from megatron_xmod.layout import Layout
 from megatron_xmod.pipeline.cost import layer_items
-from megatron_xmod.pipeline.partition import balanced_partition
+from megatron_xmod.pipeline.partition import balanced_partition, default_partition
 from megatron_xmod.presets import GPT2_VOCAB_SIZE, Backbone, ModelDescription
 
 BALANCE_CHOICES = ("default", "auto")
@@ -64,6 +65,11 @@ def balanced_layout_flags(argv: list[str], layout: Layout, backbone: Backbone | 
         raise ValueError(f"pipeline_model_parallel_size: {pp} x {vpp} stages exceed the {layout.num_layers} layers; "
                          "use fewer stages")
     partition = balanced_partition(items, pp, vpp)
+    if os.environ.get("RANK", "0") == "0":  # once per launch, not once per process
+        default = default_partition(items, pp, vpp)
+        print(f"[xmod] --xmod-pipeline-balance auto: --pipeline-model-parallel-layout '{partition.layout}' "
+              f"(slowest stage / mean {partition.max_over_mean:.3f}; megatron's default split "
+              f"{default.max_over_mean:.3f})", flush=True)
     from megatron_xmod.training.flags import drop_flags
 
     return drop_flags(argv, _VIRTUAL) + ["--pipeline-model-parallel-layout", partition.layout]
