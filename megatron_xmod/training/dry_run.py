@@ -67,6 +67,11 @@ def summary(args) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:  # the entry point's flags: the dry run validates exactly those
+        from megatron_xmod.pretrain import print_help
+
+        print_help()
+        return 0
     try:
         args = validate(argv)
     except SystemExit as exit_:  # argparse: unknown/invalid flag (its message is already printed)
