@@ -5,7 +5,7 @@ tests: ``reliability_faults.py FAULT [entry-point arguments]``.
   that training must name instead of routing garbage).
 - ``kill-during-save:N``: at the save of iteration N, once megatron's distributed checkpoint wrote
   its files and before megatron's tracker names it, the largest file is cut to half its size and
-  the process kills itself with SIGKILL (a node lost in the middle of a save).
+  the process and its children are killed with SIGKILL (a node lost in the middle of a save).
 """
 from __future__ import annotations
 
@@ -43,6 +43,12 @@ def _kill_during_save(iteration: int) -> None:
             files = [os.path.join(root, name) for root, _, names in os.walk(checkpoint_dir) for name in names]
             largest = max(files, key=os.path.getsize)
             os.truncate(largest, os.path.getsize(largest) // 2)
+            # the node dies: megatron's checkpoint writer processes (multiprocessing spawn) with it; alone,
+            # they would outlive the training process and hold its stdout open
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                child.kill()
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
