@@ -11,9 +11,8 @@ import sys
 import hf_io_helpers
 import pytest
 import torch
-from hf_io_helpers import megatron_logits
 
-from megatron_xmod.hf.eval_tasks import build_tasks, next_line_docs, perplexity_docs
+from megatron_xmod.hf.eval_tasks import build_tasks, perplexity_docs
 
 hf_checkpoints = hf_io_helpers.hf_checkpoints  # the session's shared checkpoints
 
@@ -44,13 +43,30 @@ def test_tasks_are_deterministic_and_well_formed(tmp_path):
     assert str(a) in (a / "xmod_perplexity.yaml").read_text()
 
 
-def _nll(checkpoint, ids, targets_from):
-    """Summed negative log-likelihood of ids[targets_from:] given what precedes, by the megatron model."""
-    logits = megatron_logits(checkpoint, torch.tensor([ids[:-1]]))[0].double()
-    logp = torch.log_softmax(logits, dim=-1)
-    targets = torch.tensor(ids[1:])
-    picked = logp[torch.arange(len(targets)), targets]
-    return -float(picked[targets_from - 1:].sum())
+class MegatronScorer:
+    """The megatron model of a checkpoint (built at TP1/PP1 from its saved args, weights gathered by
+    megatron's dist-checkpointing) in eval mode: the deployable threshold routing."""
+
+    def __init__(self, checkpoint):
+        from megatron_xmod.hf.checkpoint_io import build_model, load_checkpoint, single_process_megatron
+
+        self._context = single_process_megatron()
+        self._context.__enter__()
+        loaded = load_checkpoint(checkpoint)
+        self.model = build_model(loaded.args)
+        self.model.load_state_dict(loaded.state_dict)
+        self.model.eval()
+
+    def nll(self, ids, targets_from):
+        """Summed negative log-likelihood of ids[targets_from:] given what precedes them."""
+        tokens = torch.tensor([ids[:-1]])
+        with torch.no_grad():
+            logits = self.model(tokens, torch.arange(tokens.shape[1])[None], None)[0].double()
+        picked = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        return -float(picked[targets_from - 1:].sum())
+
+    def close(self):
+        self._context.__exit__(None, None, None)
 
 
 @pytest.mark.slow
@@ -62,14 +78,12 @@ def test_lm_eval_runs_offline_and_agrees_with_the_model(hf_checkpoints, tmp_path
     checkpoint = hf_checkpoints("xmod")  # X-MoD, saved at TP2, byte tokenizer, 64-token context
     folder = tmp_path / "hf"
     export_checkpoint(checkpoint, folder, dtype="fp32", progress=False)
-    # Documents that fit the model's 64-token context in one window (EOD + at most 63 bytes).
+    # Perplexity documents that fit the model's 64-token context in one window (EOD + at most 63 bytes).
     lines = play_lines(("tempest",), ensure_texts())
-    tasks = build_tasks(tmp_path / "tasks", works=("tempest",), next_line_per_work=8, perplexity_max_chars=63,
+    tasks = build_tasks(tmp_path / "tasks", works=("tempest",), next_line_per_work=8, perplexity_max_chars=60,
                         perplexity_max_docs=12)
-    # next-line contexts must fit too: keep the short ones
-    mc = [d for d in next_line_docs(lines, per_work=40)
-          if len((d["context"] + max(d["choices"], key=len)).encode()) <= 64][:8]
-    (tasks / "next_line.jsonl").write_text("".join(json.dumps(d) + "\n" for d in mc))
+    mc = [json.loads(line) for line in (tasks / "next_line.jsonl").read_text().splitlines()]
+    assert len(mc) == 8
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_DATASETS_CACHE=str(tmp_path / "ds_cache"), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
@@ -84,9 +98,10 @@ def test_lm_eval_runs_offline_and_agrees_with_the_model(hf_checkpoints, tmp_path
 
     # perplexity: lm-eval scores [EOD] + document bytes in one window; the same through megatron
     docs = [json.loads(line)["text"] for line in (tasks / "perplexity.jsonl").read_text().splitlines()]
-    assert docs == [d["text"] for d in perplexity_docs(lines, 63, 12)]
+    assert docs == [d["text"] for d in perplexity_docs(lines, 60, 12)] and all(len(d.encode()) <= 63 for d in docs)
     eod = 255
-    nll = sum(_nll(checkpoint, [eod] + list(d.encode()), 1) for d in docs)
+    scorer = MegatronScorer(checkpoint)
+    nll = sum(scorer.nll([eod] + list(d.encode()), 1) for d in docs)
     tokens = sum(len(d.encode()) for d in docs)
     loss = nll / tokens
     reported = results["xmod_perplexity"]
@@ -98,9 +113,13 @@ def test_lm_eval_runs_offline_and_agrees_with_the_model(hf_checkpoints, tmp_path
     # multiple choice: the choice with the highest log-likelihood (and per character, acc_norm)
     hits, hits_norm = 0, 0
     for doc in mc:
-        context = list(doc["context"].encode())
-        scores = [-_nll(checkpoint, context + list(c.encode()), len(context)) for c in doc["choices"]]
+        scores = []
+        for choice in doc["choices"]:
+            # lm-eval scores the choice after the context, keeping the last 64 + 1 tokens (its left truncation)
+            window = (list(doc["context"].encode()) + list(choice.encode()))[-65:]
+            scores.append(-scorer.nll(window, len(window) - len(choice.encode())))
         hits += max(range(4), key=lambda i: scores[i]) == doc["label"]
         hits_norm += max(range(4), key=lambda i: scores[i] / len(doc["choices"][i])) == doc["label"]
+    scorer.close()
     assert results["xmod_next_line"]["acc,none"] == pytest.approx(hits / len(mc))
     assert results["xmod_next_line"]["acc_norm,none"] == pytest.approx(hits_norm / len(mc))

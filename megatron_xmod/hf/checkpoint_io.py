@@ -176,8 +176,8 @@ def load_checkpoint(load_dir: str | os.PathLike, iteration: Optional[int] = None
 def save_checkpoint(state_dict: dict, args: argparse.Namespace, save_dir: str | os.PathLike,
                     tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> Path:
     """Save a full TP1/PP1 state dict as a megatron *release* checkpoint under ``save_dir``
-    (``release/`` and the tracker): ``--load`` starts from it at iteration 0 with a fresh optimizer,
-    at any TP/PP (``torch_dist`` reshards on load). The saved args record ``tensor_model_parallel_size``
+    (``release/`` and the tracker): ``--load`` starts from it at iteration 0 with a fresh optimizer and
+    the data from its start, at any TP/PP (``torch_dist`` reshards on load). The saved args record ``tensor_model_parallel_size``
     and ``pipeline_model_parallel_size`` as the layout to resume with."""
     from megatron.core import dist_checkpointing
 
@@ -188,6 +188,10 @@ def save_checkpoint(state_dict: dict, args: argparse.Namespace, save_dir: str | 
     saved_args = copy.deepcopy(args)
     saved_args.tensor_model_parallel_size = tensor_model_parallel_size
     saved_args.pipeline_model_parallel_size = pipeline_model_parallel_size
+    # megatron restores the data position from the saved args unless --finetune; a release checkpoint
+    # starts at iteration 0, so its data starts at the beginning too.
+    for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        setattr(saved_args, name, 0)
     with single_process_megatron():
         model = build_model(args)
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
