@@ -27,8 +27,8 @@ from typing import Optional
 from megatron_xmod.training import patches
 
 PROG = "python -m megatron_xmod.pretrain"
-# Any of these means a launcher (torchrun, torch.distributed.run, srun with several tasks) set the run up.
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+# Any of these means a launcher (torchrun / torch.distributed.run, or srun with several tasks) set the run up.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
 # Warnings a CPU-only machine always gets and can do nothing about (TE/Apex/CUDA are GPU libraries).
 CPU_ONLY_WARNINGS = (r".*Transformer Engine and Apex are not installed.*", r".*Apex is not installed.*",
                      r".*transformer-engine>=.*", r".*TransformerEngine.*", r".*CUDA.*not available.*",
@@ -124,13 +124,17 @@ def free_port() -> int:
 
 def single_process_defaults(environ=os.environ) -> bool:
     """Without a launcher, megatron's ``init_process_group`` stops on ``MASTER_ADDR expected``; set
-    the variables of a one-process run (free local port). Returns True when it did."""
+    the variables of a one-process run (a MASTER_ADDR/MASTER_PORT already exported is kept, else
+    127.0.0.1 and a free port). Returns True when it did."""
     slurm_tasks = environ.get("SLURM_NTASKS") or environ.get("SLURM_NPROCS")
     if any(name in environ for name in LAUNCHER_VARIABLES) or (slurm_tasks and slurm_tasks != "1"):
         return False
-    environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    print(f"[xmod] no launcher found (torchrun/SLURM): one process on 127.0.0.1:{environ['MASTER_PORT']}; "
-          "use torchrun --nproc_per_node=N for more", flush=True)
+    environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in environ:
+        environ["MASTER_PORT"] = str(free_port())
+    print(f"[xmod] no launcher found (torchrun/SLURM): one process on {environ['MASTER_ADDR']}:"
+          f"{environ['MASTER_PORT']}; use torchrun --nproc_per_node=N for more", flush=True)
     return True
 
 

@@ -20,7 +20,9 @@ BIN = Path(sys.executable).parent
 
 
 def run_example(name, timeout=300, **env):
-    full = dict(os.environ, PY=sys.executable, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1",
+    # tests/conftest.py exports MASTER_ADDR/MASTER_PORT for in-process runs; a launched script must not share them
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    full = dict(inherited, PY=sys.executable, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1",
                 **{k: str(v) for k, v in env.items()})
     return subprocess.run(["bash", str(EXAMPLES / name)], capture_output=True, text=True, env=full, cwd=REPO,
                           timeout=timeout)

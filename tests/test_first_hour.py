@@ -69,7 +69,9 @@ def test_one_process_defaults_only_without_a_launcher():
     assert single_process_defaults(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("0", "1", "0", "127.0.0.1")
     assert 0 < int(env["MASTER_PORT"]) < 65536
-    for launcher in ({"RANK": "3", "WORLD_SIZE": "8"}, {"MASTER_ADDR": "node1"}, {"SLURM_NTASKS": "4"}):
+    kept = {"MASTER_ADDR": "node1", "MASTER_PORT": "6000"}  # exported by the user: kept
+    assert single_process_defaults(kept) and (kept["MASTER_ADDR"], kept["MASTER_PORT"], kept["RANK"]) == ("node1", "6000", "0")
+    for launcher in ({"RANK": "3", "WORLD_SIZE": "8"}, {"LOCAL_RANK": "0"}, {"SLURM_NTASKS": "4"}):
         untouched = dict(launcher)
         assert not single_process_defaults(untouched)
         assert untouched == launcher
