@@ -10,6 +10,7 @@ SEQ = 64
 # kind -> (layout or MoE model name, config overrides)
 KINDS = {
     "dense": ("D*4", {}),
+    "dense-interleaved-rope": ("D*2", dict(rotary_interleaved=True, qk_layernorm=False)),
     "mod": ("D + (S4 + D)*2 + D", {"xmod_routing_family": "mod"}),
     "xmod": ("D + (S4*2 + D)*2 + D", {"xmod_routing_family": "xmod"}),
     "moe": ("moe-8x64", {"num_moe_experts": 8, "moe_router_topk": 2}),
