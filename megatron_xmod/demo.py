@@ -143,7 +143,11 @@ def read_run(run_dir: Path) -> dict:
     params = re.findall(r"number of parameters on \(tensor.*?\): (\d+)", log)
     last = max(tags["tokens seen"])
     flops_at = tags["training flops"]
-    validation = tags["lm loss validation"]
+    # megatron writes the final *test* evaluation under the same tensorboard tag and step as the
+    # validation ("lm loss validation"), which made the curve jump at its end: read the validation
+    # set's points from the console log instead.
+    validation = {int(i): float(v) for i, v in re.findall(
+        r"validation loss at iteration (\d+) (?:on validation set )?\| lm loss value: ([0-9.Ee+-]+)", log)}
     curve = [(flops_at[step], loss) for step, loss in sorted(validation.items()) if step in flops_at]
     return {
         "total_params": int(params[-1]) if params else None,
