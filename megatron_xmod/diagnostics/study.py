@@ -4,6 +4,7 @@ tensorboard, and comparison plots (update counts, validation loss)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 
@@ -17,6 +18,13 @@ def read_scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
         for tag in events.Tags()["scalars"]:
             tags.setdefault(tag, {}).update({e.step: e.value for e in events.Scalars(tag)})
     return tags
+
+
+def validation_curve(log: str) -> dict[int, float]:
+    """{iteration: lm loss} of the validation set from megatron's console lines. (Tensorboard's
+    ``lm loss validation`` also receives the final *test* evaluation at the last iteration.)"""
+    found = re.findall(r"validation loss at iteration (\d+) (?:on validation set )?\| lm loss value: ([0-9.Ee+-]+)", log)
+    return {int(i): float(v) for i, v in found}
 
 
 def report_run(run_dir: Path, valid_prefix: str, rule: str, num_sequences: int = 32) -> dict:
@@ -46,7 +54,7 @@ def summarize(out: Path, names: list[str], valid_prefix: str, variants: dict) ->
         run_dir = out / name
         threshold, topk = (report_run(run_dir, valid_prefix, rule) for rule in ("threshold", "topk"))
         tags = read_scalars(run_dir / "tb")
-        validation = tags.get("lm loss validation", {})
+        validation = validation_curve((run_dir / "train.log").read_text())
         s = threshold["summary"]
         rows[name] = {
             "tau": variants[name][0], "warmup_fraction": variants[name][1], "extra": list(variants[name][2]),
