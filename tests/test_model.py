@@ -57,14 +57,14 @@ def test_topk_routing_in_the_model_selects_exactly_l_over_k(seeded):
 
 def _capture_routing(monkeypatch):
     calls = []
-    original = layers_module.route
+    original = layers_module.routing_step
 
-    def spy(logits, sparsity_k, rule, token_choice_bias=None, tau=0.0):
-        decision = original(logits, sparsity_k, rule, token_choice_bias, tau)
-        calls.append(dict(logits=logits.detach(), bias=token_choice_bias, decision=decision))
-        return decision
+    def spy(logits, sparsity_k, rule, carried_bias=None, tau=0.0, *args, **kwargs):
+        step = original(logits, sparsity_k, rule, carried_bias, tau, *args, **kwargs)
+        calls.append(dict(logits=logits.detach(), bias=carried_bias, decision=step.decision))
+        return step
 
-    monkeypatch.setattr(layers_module, "route", spy)
+    monkeypatch.setattr(layers_module, "routing_step", spy)
     return calls
 
 

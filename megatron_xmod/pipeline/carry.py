@@ -56,6 +56,13 @@ def attach_boundary_carry(model: torch.nn.Module) -> torch.nn.Module:
     first = _first_layer_number(model)  # 1-based megatron layer numbers
     last = first + len(model.decoder.layers) - 1
     receives = first > 1 and layout[first - 2].is_sparse  # the layer before this chunk is sparse
+    if receives and config.sequence_parallel and layout[first - 1].is_sparse and config.xmod_token_choice_bias_tau > 0:
+        # the bias spans the whole sequence on every TP rank, the activations only a 1/TP shard of it
+        raise ValueError(
+            f"pipeline_model_parallel_layout: the stage starting at layer {first} splits a sparse block, and "
+            "under sequence_parallel the token-choice bias cannot cross stages yet; move the boundary onto a "
+            "dense layer (xmod partition's layout, then shift it), drop --sequence-parallel, or set "
+            "xmod_token_choice_bias_tau=0")
 
     if not model.pre_process:
         set_input_tensor = model.set_input_tensor
