@@ -392,6 +392,8 @@ def _check_model_keys(cfg: XModHFConfig, hf: dict) -> None:
     """The HF keys must be exactly those of the HF model of ``cfg``."""
     expected = set(expected_hf_keys(cfg))
     present = set(hf)
+    if cfg.tie_word_embeddings:  # a tied model's state_dict() lists the shared weight under both names
+        present.discard("lm_head.weight")
     missing = sorted(expected - present)
     unexpected = sorted(present - expected)
     if missing or unexpected:
