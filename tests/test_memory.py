@@ -106,16 +106,17 @@ def _measure_layers(layout, family="xmod", seq=64):
     per_layer = [0] * len(model.decoder.layers)
     current = [0]
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = set()
+    seen, kept = set(), []
 
     def pack(t):
         storage = t.untyped_storage()
         if storage.data_ptr() not in params and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             per_layer[current[0]] += storage.nbytes()
-        return None  # no backward here: keep nothing (a saved output returned by the hook is a cycle)
+        kept.append(t)  # alive as the graph would keep it; the graph holds the index (no cycle)
+        return len(kept) - 1
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+    with torch.autograd.graph.saved_tensors_hooks(pack, kept.__getitem__):
         h = x
         for i, layer in enumerate(model.decoder.layers):
             current[0] = i
