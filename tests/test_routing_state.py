@@ -42,8 +42,11 @@ def test_two_models_from_one_spec_share_nothing(seeded):
     with torch.no_grad():
         _run(second, batch=3)
     stats_a, stats_b = report(first), report(second)
-    assert set(stats_a) and all(not name.startswith("eval_") for name in stats_a)
-    assert set(stats_b) and all(name.startswith("eval_") for name in stats_b)
+    # routing statistics carry the mode's prefix; the health count of non-finite logits is kept in both
+    routing_a = [name for name in stats_a if not name.startswith("nonfinite_router_logits")]
+    routing_b = [name for name in stats_b if not name.startswith("nonfinite_router_logits")]
+    assert routing_a and all(not name.startswith("eval_") for name in routing_a)
+    assert routing_b and all(name.startswith("eval_") for name in routing_b)
     assert stats_b["eval_selected_fraction"] == 0.25  # second's top-k rule, not first's
 
 
