@@ -137,3 +137,19 @@ def test_split_without_documents_fails_fast_instead_of_hanging(tmp_path):
     text = output(result)
     assert "split: --split 90,5,5 leaves the validation split" in text and "12 documents" in text
     assert MODEL_BUILT not in text
+
+
+def test_missing_vocab_file_is_named_by_the_dry_run_without_a_hub(byte_data, tmp_path):
+    """Before the fix a missing --vocab-file spent a minute trying to reach a model hub, unnamed."""
+    import subprocess
+    import sys
+
+    from entry_point_helpers import REPO
+
+    argv = [a for a in ROUTED + common_flags(byte_data, ITERS) if a not in ("NullTokenizer",)]
+    argv[argv.index("--tokenizer-type") + 1:argv.index("--tokenizer-type") + 1] = ["GPT2BPETokenizer"]
+    env = dict(os.environ, WORLD_SIZE="1", HF_HUB_OFFLINE="")
+    result = subprocess.run([sys.executable, "-m", "megatron_xmod.training.dry_run", *argv], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, output(result)[-3000:]
+    assert "vocab_file: --tokenizer-type GPT2BPETokenizer reads its vocabulary from --vocab-file" in result.stderr
