@@ -24,3 +24,21 @@ def test_family_comes_from_the_layout_and_explicit_flags_win():
     assert scan_argv(argv).xmod_routing_family == "mod"
     assert argv.index("--hidden-size") < len(argv) - 1 - argv[::-1].index("--hidden-size")  # the user's comes last
     assert _value(argv, "--hidden-size") == "256"
+
+
+def test_backbone_file_and_cpu_flags_expand(tmp_path):
+    import json
+
+    from megatron_xmod.demo import DEMO_BACKBONE
+    from megatron_xmod.layout import parse_layout
+    from megatron_xmod.presets import backbone_flags, backbone_to_dict
+    from megatron_xmod.training.flags import CPU_FLAGS
+
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps(backbone_to_dict(DEMO_BACKBONE)))
+    argv = expand_arguments(["--xmod-backbone", str(path), "--xmod-model", "mod-k4", "--xmod-cpu"])
+    text = " ".join(argv)
+    assert " ".join(backbone_flags(DEMO_BACKBONE)) in text and " ".join(CPU_FLAGS) in text
+    layout = parse_layout(argv[argv.index("--xmod-layout") + 1], "mod")
+    assert layout.activated_depth == DEMO_BACKBONE.num_layers  # named models derive their layout for the file's depth
+    assert argv[argv.index("--num-layers") + 1] == str(layout.num_layers)
