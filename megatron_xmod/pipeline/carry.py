@@ -32,6 +32,21 @@ def carry_channels(config) -> int:
     return len(CHANNELS)
 
 
+def _tp_group(model):
+    layers = model.decoder.layers
+    if len(layers) and getattr(layers[0], "tp_group", None) is not None:
+        return layers[0].tp_group
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _gather_along_first_dim(tensor: torch.Tensor, group) -> torch.Tensor:
+    from megatron.core.tensor_parallel.mappings import _gather_along_first_dim as gather
+
+    return gather(tensor, group)
+
+
 def _first_layer_number(model) -> int:
     layers = model.decoder.layers
     if len(layers):
@@ -56,13 +71,9 @@ def attach_boundary_carry(model: torch.nn.Module) -> torch.nn.Module:
     first = _first_layer_number(model)  # 1-based megatron layer numbers
     last = first + len(model.decoder.layers) - 1
     receives = first > 1 and layout[first - 2].is_sparse  # the layer before this chunk is sparse
-    if receives and config.sequence_parallel and layout[first - 1].is_sparse and config.xmod_token_choice_bias_tau > 0:
-        # the bias spans the whole sequence on every TP rank, the activations only a 1/TP shard of it
-        raise ValueError(
-            f"pipeline_model_parallel_layout: the stage starting at layer {first} splits a sparse block, and "
-            "under sequence_parallel the token-choice bias cannot cross stages yet; move the boundary onto a "
-            "dense layer (xmod partition's layout, then shift it), drop --sequence-parallel, or set "
-            "xmod_token_choice_bias_tau=0")
+    # Sequence parallelism: activations are a 1/TP shard of the sequence while every TP rank holds the
+    # whole [s, b] bias (routing ranks the whole sequence): send the own shard, all-gather on receipt.
+    tp_group = _tp_group(model) if config.sequence_parallel else None
 
     if not model.pre_process:
         set_input_tensor = model.set_input_tensor
@@ -72,6 +83,8 @@ def attach_boundary_carry(model: torch.nn.Module) -> torch.nn.Module:
             received = tensors[0]
             if received is not None and received.shape[-1] == hidden + channels:
                 carried = received[..., hidden:].detach().float()
+                if tp_group is not None and receives:
+                    carried = _gather_along_first_dim(carried.contiguous(), tp_group)
                 if receives:
                     state.put_bias(first - 1, carried[..., 0].contiguous(), carried[..., 1] > 0.5)
                 tensors = [received[..., :hidden].contiguous(), *tensors[1:]]
@@ -83,11 +96,15 @@ def attach_boundary_carry(model: torch.nn.Module) -> torch.nn.Module:
         def append_carry(module, args, output):
             if not torch.is_tensor(output) or output.shape[-1] != hidden:
                 return output
-            bias, selected = state.take_bias(last + 1, tuple(output.shape[:2]))
+            rows, batch = output.shape[:2]
+            shards = 1 if tp_group is None else tp_group.size()
+            bias, selected = state.take_bias(last + 1, (rows * shards, batch))
             if bias is None:
-                extra = output.new_zeros(*output.shape[:2], channels)
+                extra = output.new_zeros(rows, batch, channels)
             else:
                 extra = torch.stack([bias, selected.float()], dim=-1).to(output.dtype)
+                if shards > 1:  # this rank's sequence shard
+                    extra = extra[tp_group.rank() * rows : (tp_group.rank() + 1) * rows]
             return torch.cat([output, extra.detach()], dim=-1)
 
         model.register_forward_hook(append_carry)
