@@ -316,9 +316,9 @@ def render_markdown(meta: dict, rows: list[dict]) -> str:
             "full-length attention, LM head excluded)."]
     if meta["device_type"] == "cpu":
         out += ["", "CPU numbers are not the GPU targets: per-op overhead weighs far more at this width (the X-MoD "
-                "models have 6-10x the layers of Dense; bench/results/ops_*), and the CPU attention kernel at this "
-                "L costs more than its FLOPs say (it favours the models whose routed layers attend over L/K "
-                "tokens). The GPU run of bench/gpu_check.sh gives the numbers the targets refer to."]
+                "models have 6-10x the layers of Dense; bench/results/ops_*), and CPU kernels are not equally "
+                "efficient at every shape (attention over L versus L/K tokens, thin matmuls). The GPU run of "
+                "bench/gpu_check.sh gives the numbers the targets refer to."]
         if meta["loadavg_start"] and meta["loadavg_start"][0] > 0.5 * (os.cpu_count() or 1):
             out += [f"The machine was shared (load {meta['loadavg_start'][0]} on {os.cpu_count()} cores): "
                     "times include waits for other processes."]
