@@ -68,7 +68,7 @@ HIDDEN = textwrap.dedent("""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder = sys.argv[1]
-    tok = AutoTokenizer.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)  # config.json's auto_map is remote code
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
     ids = tok([sys.argv[2]], return_tensors="pt")["input_ids"]
     with torch.no_grad():
