@@ -274,9 +274,11 @@ class RoutingLog:
 
         args = get_args()
         self.setup(args)
+        tokens = args.consumed_train_samples * args.seq_length
+        if self._clock is None:  # the first step of this process (warm-up included) starts the clock
+            self._clock, self._paused = (time.time(), iteration, tokens), 0.0
         if iteration % args.log_interval:
             return {}
-        tokens = args.consumed_train_samples * args.seq_length
         scalars = {"tokens seen": float(tokens)}
         if self.accounting is not None:
             scalars["training flops"] = self.training_flops(args)
