@@ -181,11 +181,18 @@ def format_table(report: dict) -> str:
               f"LM loss: {losses}",
               "references: rand = independent random subsets of rate 1/K (coverage 1-(1-1/K)^T, Jaccard "
               "p/(2-p)); the same subset repeated gives coverage 1/K and Jaccard 100"]
-    if abs(s["selected_fraction"] - s["nominal_fraction"]) > 0.2 * s["nominal_fraction"] and report["rule"] == "threshold":
-        lines.append(f"note: the threshold rule routes {_pct(s['selected_fraction'])}% of tokens where training routed "
-                     f"{_pct(s['nominal_fraction'])}%; the evaluated model computes "
-                     f"{'less' if s['selected_fraction'] < s['nominal_fraction'] else 'more'} than it was trained "
-                     "for (docs/routing.md: calibration)")
+    if report["rule"] == "threshold":
+        if abs(s["selected_fraction"] - s["nominal_fraction"]) > 0.2 * s["nominal_fraction"]:
+            lines.append(f"note: the threshold rule routes {_pct(s['selected_fraction'])}% of tokens where training "
+                         f"routed {_pct(s['nominal_fraction'])}%; the evaluated model computes "
+                         f"{'less' if s['selected_fraction'] < s['nominal_fraction'] else 'more'} than it was trained "
+                         "for (docs/routing.md: calibration)")
+        off = [row["layer"] for row in report["layers"]
+               if not 0.5 <= row["selected_fraction"] / row["nominal_fraction"] <= 2.0]
+        if off:
+            lines.append(f"note: {len(off)} of {len(report['layers'])} sparse layers route less than half or more than "
+                         f"twice 1/K under the threshold rule (layers {', '.join(map(str, off))}); see "
+                         "docs/routing.md: calibration")
     return "\n".join(lines)
 
 
