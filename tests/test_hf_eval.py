@@ -115,9 +115,12 @@ def test_lm_eval_runs_offline_and_agrees_with_the_model(hf_checkpoints, tmp_path
     for doc in mc:
         scores = []
         for choice in doc["choices"]:
-            # lm-eval scores the choice after the context, keeping the last 64 + 1 tokens (its left truncation)
-            window = (list(doc["context"].encode()) + list(choice.encode()))[-65:]
-            scores.append(-scorer.nll(window, len(window) - len(choice.encode())))
+            # lm-eval moves the context's trailing whitespace (our "\n") into the scored continuation and
+            # keeps the last 64 + 1 tokens (its left truncation)
+            context = doc["context"].rstrip()
+            continuation = doc["context"][len(context):] + choice
+            window = (list(context.encode()) + list(continuation.encode()))[-65:]
+            scores.append(-scorer.nll(window, len(window) - len(continuation.encode())))
         hits += max(range(4), key=lambda i: scores[i]) == doc["label"]
         hits_norm += max(range(4), key=lambda i: scores[i] / len(doc["choices"][i])) == doc["label"]
     scorer.close()
