@@ -192,4 +192,6 @@ if __name__ == "__main__":
         main()
     except (ValueError, FileNotFoundError) as error:
         print(f"megatron_xmod.pretrain: error: {error}", file=sys.stderr)
+        if len(sys.argv) == 1:
+            print(f"every flag: {PROG} --help; a first run: docs/first_run.md", file=sys.stderr)
         sys.exit(2)
