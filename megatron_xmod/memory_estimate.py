@@ -40,6 +40,7 @@ class Parallel:
     recompute: str = "none"
     optimizer: str = "adam"
     distributed_optimizer: bool = False  # megatron's distributed optimizer (Adam) / layer-wise (Muon)
+    fp32_gradients: bool = True  # megatron accumulates bf16 gradients in fp32 (accumulate_allreduce_grads_in_fp32)
     bytes_per_activation: int = 2  # bf16
     num_microbatches: Optional[int] = None  # None: at least pp (the 1F1B steady state)
 
@@ -114,7 +115,7 @@ def estimate(description: ModelDescription, seq_len: int, parallel: Parallel) ->
                        + (router_params(b, layout.family) if layer.is_sparse else 0) for layer in layout.layers)
     params = layer_params / p.pp + embedding_params(b) / tp  # input embedding + LM head (untied)
     weights = params * e
-    gradients = params * 4  # megatron's fp32 gradient buffer
+    gradients = params * (4 if p.fp32_gradients else e)  # megatron's gradient buffer
     state = params * (12 if p.optimizer == "adam" else 8)  # fp32 master + Adam m, v | Muon momentum
     if p.distributed_optimizer:
         state /= p.dp
@@ -225,6 +226,7 @@ def estimate_from_args(args) -> Optional[MemoryEstimate]:
         distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)  # megatron turns it into
                                    or getattr(args, "use_layer_wise_distributed_optimizer", False)),  # this for Muon
         bytes_per_activation=2 if (args.bf16 or args.fp16) else 4,
+        fp32_gradients=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", True)),
         num_microbatches=max(1, args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)))
     return estimate(ModelDescription(layout.notation, backbone, layout), args.seq_length, parallel)
 

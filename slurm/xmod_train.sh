@@ -25,6 +25,7 @@
 #   EVAL_INTERVAL (500) EVAL_ITERS (20) SAVE_INTERVAL (500) LOG_INTERVAL (10)
 #   EXTRA_ARGS extra megatron / --xmod-* flags, appended last (they win)
 #   DRY_RUN=1  print the command and run megatron's + the plugin's validation at NODES x NPROC, then exit
+#            (and the per-GPU memory estimate: refused above GPU_MEM_GB, default 80)
 #   SMOKE=1    1 node, 2 CPU processes, TP 2, gloo, a tiny X-MoD on the embedded corpus, a few iterations
 #   SKIP_DRY_RUN=1  do not validate before srun (a real run validates first, on the batch node)
 #   XMOD_ROOT (repository; SLURM_SUBMIT_DIR under sbatch)   XMOD_PY ($XMOD_ROOT/.venv/bin/python)
@@ -115,6 +116,16 @@ else
   fi
   OPT_ARGS=(--xmod-muon-table5 --xmod-paper-schedule --clip-grad 1.0)
   DEVICE_ARGS=(--use-distributed-optimizer --bf16 --recompute-granularity selective)
+  # Dense / MoD / X-MoD: sequence parallelism at TP > 1 (it divides the activations by TP); at TP 1 the
+  # 556m / 936m models exceed 80 GB at L = 32768 with selective recompute (xmod count --memory): full
+  # recompute keeps one input per layer instead
+  case "$MODEL" in moe-*|dtopp-*) ;; *)
+    if [ "$TP" -gt 1 ]; then DEVICE_ARGS+=(--sequence-parallel)
+    elif [ "$BACKBONE" = 556m ] || [ "$BACKBONE" = 936m ]; then
+      DEVICE_ARGS=(--use-distributed-optimizer --bf16 --recompute-granularity full --recompute-method uniform
+                   --recompute-num-layers 1)
+    fi ;;
+  esac
   DESC="$MODEL on $BACKBONE"
 fi
 
