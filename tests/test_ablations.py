@@ -1,5 +1,7 @@
 """The X-MoD paper's stabiliser ablations (its Table 3, on the A1K16 reference) as model names, the
 fixed gate scale, the token-choice bias warm-up, and the entry-point patches that serve them."""
+import json
+
 import pytest
 import torch
 from helpers import TINY, tiny_model
@@ -48,8 +50,8 @@ def test_without_anchors_keeps_k_per_block():
     assert layout.activated_depth == 1 + 6 / 4 + 16 / 8
 
 
-def test_entry_point_flags_and_count_accept_the_ablations():
-    from megatron_xmod.count_cli import run as count_run
+def test_entry_point_flags_and_count_accept_the_ablations(capsys):
+    from megatron_xmod.cli import main
     from megatron_xmod.training.flags import expand_arguments
 
     argv = expand_arguments(["--xmod-backbone", "936m", "--xmod-model", "xmod-a1k16-no-bias"])
@@ -62,11 +64,12 @@ def test_entry_point_flags_and_count_accept_the_ablations():
     with pytest.raises(LayoutError, match="xmod_token_choice_bias_tau"):
         expand_arguments(["--xmod-model", "xmod-a1k16-no-bias", "--xmod-token-choice-bias-tau", "0.5"])
 
-    class Args:
-        backbone, seq_len, dense_prefix, json = "936m", 32768, 4, True
-        model = ["xmod-a1k16", "xmod-a1k16-no-bias", "xmod-a1k16-no-prefix"]
-
-    assert count_run(Args()) == 0
+    assert main(["count", "--backbone", "936m", "--json", "--model", "xmod-a1k16", "--model", "xmod-a1k16-no-bias",
+                 "--model", "xmod-a1k16-no-anchors"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    full, no_bias, no_anchors = rows
+    assert no_bias["total_params"] == full["total_params"] and no_bias["layout"] == full["layout"]
+    assert no_anchors["num_layers"] == 388 and no_anchors["total_params"] > full["total_params"]
 
 
 def test_fixed_gate_scale_flag_reaches_the_config():
