@@ -161,6 +161,7 @@ def test_own_data_cpu_example_end_to_end(tmp_path):
     assert "layers     1-2 dense | 3-6 sparse K=4 (block 1, #1-#4) | 7 anchor (block 1)" in train
     assert "no launcher found" in train and "tokens/s:" in train and "ETA:" in train
     assert "[xmod] validation routing at iteration 6 (threshold rule) | selected fraction:" in train
+    assert "[xmod] test routing at iteration 6 (threshold rule)" in train  # console only
     assert "iteration       10/      10" in logs["resume"]
     assert "validation loss at iteration 10 on validation set" in logs["evaluate"]
     tags: dict = {}

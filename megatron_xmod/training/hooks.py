@@ -54,7 +54,7 @@ def xmod_train_hooks() -> TrainHooks:
 def call_after_evaluation(callback: Callable[..., object]) -> None:
     """training/training.py:4342 ``evaluate_and_print_results`` (periodic validation, training.py:4040,
     and the validation after training, training.py:1483), called on every rank: run
-    ``callback(iteration, write_to_tensorboard, seconds)`` after it, so the evaluation routing
+    ``callback(iteration, write_to_tensorboard, seconds, split)`` after it, so the evaluation routing
     statistics land at the iteration of their validation (the last one included). Installed once per
     process; a later call only replaces the callback. (A wrapper of megatron like those of
     :mod:`megatron_xmod.training.patches`, kept beside its callback.)"""
@@ -73,8 +73,13 @@ def call_after_evaluation(callback: Callable[..., object]) -> None:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         evaluate_and_print_results._xmod_callback(bound.arguments["iteration"], bound.arguments["write_to_tensorboard"],
-                                                  time.time() - started)
+                                                  time.time() - started, split_of(bound.arguments["prefix"]))
         return result
 
     evaluate_and_print_results._xmod_callback = callback
     training.evaluate_and_print_results = evaluate_and_print_results
+
+
+def split_of(prefix: str) -> str:
+    """megatron names the held-out set only in the console prefix: ``iteration N on test set``."""
+    return "test" if "test set" in str(prefix) else "validation"

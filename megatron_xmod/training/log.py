@@ -317,9 +317,12 @@ class RoutingLog:
         return scalars
 
     # ------------------------------------------------------------------------- validation
-    def evaluation(self, iteration: int, write_to_tensorboard: bool, seconds: float = 0.0) -> dict[str, float]:
+    def evaluation(self, iteration: int, write_to_tensorboard: bool, seconds: float = 0.0,
+                   split: str = "validation") -> dict[str, float]:
         """After each of megatron's validations (every rank): the evaluation routing statistics of
-        that validation, on the console and, at ``iteration``, in tensorboard."""
+        that validation, on the console and, at ``iteration``, in tensorboard. The test set's
+        (``split="test"``, after training) go to the console only: megatron writes its losses under
+        the validation tags at the same step, and the routing tags stay the validation set's."""
         from megatron.training import get_args, get_tensorboard_writer, print_rank_last
 
         args = get_args()
@@ -348,11 +351,11 @@ class RoutingLog:
             else:
                 parts.append(f"{label}: {mean:.4f}")
         writer = get_tensorboard_writer()
-        if writer is not None and write_to_tensorboard:
+        if writer is not None and write_to_tensorboard and split == "validation":
             for tag, value in scalars.items():
                 writer.add_scalar(tag, value, iteration)
         if parts:
-            print_rank_last(f" [xmod] validation routing at iteration {iteration} ({args.xmod_eval_routing} rule) | "
+            print_rank_last(f" [xmod] {split} routing at iteration {iteration} ({args.xmod_eval_routing} rule) | "
                             + " | ".join(parts))
         return scalars
 
