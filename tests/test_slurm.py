@@ -123,7 +123,7 @@ def test_table6_configuration_passes_dry_run_through_the_generic_launcher(backbo
 
     proc = _launch(GENERIC, DRY_RUN=1, BACKBONE=backbone, MODEL=model)
     if (backbone, model) == ("936m", "xmod-a3k16"):  # 8.4B parameters at TP 1: over 80 GB by the memory estimate
-        assert proc.returncode == 1 and "FAILED (memory)" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert proc.returncode != 0 and "FAILED (memory)" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
         return
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     s = _summary(proc)
