@@ -152,14 +152,46 @@ def write(rows, blocks, out_dir):
                      f"{bl['dense_layers_equivalent']:.2f} | {bl['activated_layers']:g} | {bl['before'] / dense:.2f} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("wrote", base + ".json", base + ".md")
+    print("wrote", base + ".json", base + ".md", plot(base + ".json"))
+
+
+def plot(json_path: str) -> str:
+    """PNG beside the JSON: routed / dense saved bytes per backbone and K, before and after, and 1.2/K."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        data = json.load(f)
+    rows = [r for r in data["layers"] if r["seq_len"] == max(x["seq_len"] for x in data["layers"] if x["backbone"] == r["backbone"])]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.25
+    for i, k in enumerate(("4", "8", "16")):
+        xs = [j + (i - 1) * width for j in range(len(rows))]
+        ax.bar(xs, [r["routed"][k]["before_ratio"] for r in rows], width, color=f"C{i}", alpha=0.35,
+               label=f"K={k}: nn.Linear router" if i == 0 else None)
+        ax.bar(xs, [r["routed"][k]["ratio"] for r in rows], width, color=f"C{i}", label=f"K={k}: chained router")
+        ax.hlines(1.2 / int(k), xs[0] - width, xs[-1] + width, colors=f"C{i}", linestyles="dashed")
+    ax.set_xticks(range(len(rows)), [f"{r['backbone']}\nL={r['seq_len']}" for r in rows])
+    ax.set_ylabel("saved bytes, routed / dense layer")
+    ax.set_title("Activation memory of a routed layer (dashed: target 1.2/K)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    out = json_path[: -len(".json")] + ".png"
+    fig.savefig(out, dpi=120)
+    return out
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="165m at L = 1024 only (a smoke run)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    parser.add_argument("--plot", metavar="JSON", help="only draw the PNG of a recorded result")
     args = parser.parse_args(argv)
+    if args.plot:
+        print("wrote", plot(args.plot))
+        return 0
     torch.manual_seed(0)
     with cpu_patches(training=False):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
