@@ -164,6 +164,7 @@ def test_args_json_round_trip_keeps_dtypes_and_enums():
     assert back.num_layers == 4 and not hasattr(back, "func")
 
 
+@pytest.mark.slow  # three CLI start-ups, ~17 s
 def test_cli_errors_name_the_field(tmp_path):
     def xmod(*argv):
         return subprocess.run([sys.executable, "-m", "megatron_xmod.cli", *argv], capture_output=True, text=True,
