@@ -128,8 +128,9 @@ def test_triton_routing_interpreter():
     pytest.importorskip("triton")
     if INTERP:
         pytest.skip("already inside the interpreter run")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop(kernels.ENV_BACKEND, None)
+    # conftest exports MASTER_ADDR/MASTER_PORT for this session's process group: the child needs its own
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", kernels.ENV_BACKEND)}
+    env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton_interp_"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
