@@ -27,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_xmod.pretrain import quiet_cpu_only_warnings
+    from megatron_xmod.training import patches
+
+    if patches.cpu_mode():  # megatron warns about TE/Apex/CUDA at import time, as the entry point knows
+        quiet_cpu_only_warnings()
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
