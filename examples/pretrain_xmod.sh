@@ -17,7 +17,7 @@ NPROC=${NPROC:-8}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
-TP=${TP:-1}
+TP=${TP:-8}   # one 8-GPU node; at L = 32768 a 936M X-MoD needs TP 8 with sequence parallelism (xmod count --memory)
 PP=${PP:-1}
 BACKBONE=${BACKBONE:-936m}
 MODEL=${MODEL:-xmod-a4k8}
@@ -62,7 +62,10 @@ TRAINING_ARGS=(
 PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
     --pipeline-model-parallel-size "$PP"
+    --use-distributed-optimizer
+    --recompute-granularity selective
 )
+if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
 
 DATA_ARGS=(
     --data-path "$DATA"

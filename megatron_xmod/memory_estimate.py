@@ -217,7 +217,7 @@ def estimate_from_args(args) -> Optional[MemoryEstimate]:
                         ffn_hidden_size=args.ffn_hidden_size,
                         vocab_size=getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 50257,
                         qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
-    layout = config_from_args(args).layer_layout
+    layout = _spec_layout(args) or config_from_args(args).layer_layout
     optimizer = getattr(args, "optimizer", "adam")
     parallel = Parallel(
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
@@ -229,6 +229,19 @@ def estimate_from_args(args) -> Optional[MemoryEstimate]:
         fp32_gradients=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", True)),
         num_microbatches=max(1, args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)))
     return estimate(ModelDescription(layout.notation, backbone, layout), args.seq_length, parallel)
+
+
+def _spec_layout(args):
+    """The layout a Megatron-LM launch gets from ``--spec MODULE NAME`` (its flags say nothing of routing)."""
+    spec = getattr(args, "spec", None)
+    if not spec or len(spec) != 2:
+        return None
+    from megatron_xmod.spec import resolve
+
+    try:
+        return resolve(*spec).params["xmod"].parsed()
+    except (ImportError, AttributeError, TypeError):  # not one of ours: megatron's own spec, a dense model
+        return None
 
 
 def check_launch_memory(args, limit_gb: Optional[float] = None) -> int:
