@@ -39,6 +39,8 @@ def test_demo_runs_and_reports_from_the_runs(tmp_path):
     assert rows["xmod"]["training_flops"] == pytest.approx(rows["dense"]["training_flops"], rel=0.1)
     assert (out / "val_loss_vs_flops.png").stat().st_size > 10_000
     assert "warning" not in result.stdout  # the run built exactly the parameters the accounting counts
+    # the demo ends with its X-MoD model exported to Hugging Face, generating with the sparse cache
+    assert (out / "xmod" / "hf" / "config.json").is_file() and "[hf] KV cache after" in result.stdout
     for name in ("dense", "xmod"):  # each log starts with the command that wrote it, ready to copy
         for log in ("train.log", "eval.log"):
             command = (out / name / log).read_text().splitlines()[0]
