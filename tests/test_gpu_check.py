@@ -29,7 +29,9 @@ def test_unknown_option_is_an_error():
 @pytest.mark.slow
 def test_cpu_mode_runs_every_step(tmp_path):
     # The shared CI machine may be busy: the steps get 10x their GPU caps here (CAP_SCALE).
-    env = dict(os.environ, OUT=str(tmp_path), CAP_SCALE="10")
+    # conftest exports MASTER_ADDR/MASTER_PORT for this session's process group: the steps need their own
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(OUT=str(tmp_path), CAP_SCALE="10")
     proc = subprocess.run(["bash", SCRIPT, "--cpu"], capture_output=True, text=True, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text().splitlines()

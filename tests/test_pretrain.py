@@ -130,7 +130,8 @@ def test_inconsistent_xmod_arguments_fail_before_training(byte_data, tmp_path, e
 def test_missing_data_path_fails_before_training(tmp_path):
     result = launch(1, tmp_path, str(tmp_path / "nowhere"), check=False)
     assert result.returncode != 0
-    assert "data_path: no Megatron dataset at" in result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert f"data_path: {tmp_path / 'nowhere'}.idx does not exist" in output  # the pre-flight check names the file
     assert "iteration        1/" not in result.stdout
 
 
