@@ -34,6 +34,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from megatron_xmod.permute.dispatch import LazyTriton
 from megatron_xmod.routing import RoutingDecision, route, topk_count, update_token_choice_bias
 
 logger = logging.getLogger("megatron_xmod.kernels")
@@ -42,8 +43,6 @@ ENV_BACKEND = "XMOD_ROUTING_BACKEND"
 BACKENDS = ("triton", "torch")
 launch_counts: collections.Counter = collections.Counter()
 _logged: set = set()
-_triton_mod = None
-_triton_error: Optional[str] = None
 
 
 class RoutingStep(NamedTuple):
@@ -76,7 +75,7 @@ def routing_step(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias:
     carried = None if carried_bias is None else carried_bias.detach().float().contiguous()
     logits32 = logits if logits.dtype == torch.float32 else logits.float()
     indices, selected, scores, gate, bias, _ = _FusedRoutingStep.apply(
-        logits32.contiguous(), carried, float(tau), k, float(increment), _triton())
+        logits32.contiguous(), carried, float(tau), k, float(increment), _triton.module())
     return RoutingStep(RoutingDecision(selected, scores, indices), bias, gate)
 
 
@@ -101,30 +100,13 @@ class _FusedRoutingStep(torch.autograd.Function):
         return dlogits, None, None, None, None, None
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _triton():
-    global _triton_mod, _triton_error
-    if _triton_mod is None and _triton_error is None:
-        try:
-            from megatron_xmod.kernels import triton_routing
-
-            _triton_mod = triton_routing
-        except Exception as e:  # ImportError, or a triton that fails to initialise
-            _triton_error = f"triton is not usable ({type(e).__name__}: {e})"
-    return _triton_mod
+_triton = LazyTriton("megatron_xmod.kernels.triton_routing")
 
 
 def _triton_unavailable(x: torch.Tensor) -> Optional[str]:
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the triton routing step takes float32/float16/bfloat16 logits, not {x.dtype}"
-    if x.device.type != "cuda" and not _interpreting():
-        return f"triton needs CUDA tensors (these are on {x.device}) or TRITON_INTERPRET=1"
-    if _triton() is None:
-        return _triton_error
-    return None
+    return _triton.unavailable(x.device)
 
 
 def _select(requested: Optional[str], x: torch.Tensor) -> str:

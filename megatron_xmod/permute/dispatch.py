@@ -10,6 +10,7 @@ op and device type on the ``megatron_xmod.permute`` logger.
 Triton on CPU tensors only works under ``TRITON_INTERPRET=1`` (the interpreter, for tests), so
 ``auto`` never picks it there; forcing ``triton`` with the interpreter on does.
 """
+import importlib
 import logging
 import os
 from typing import Optional
@@ -28,8 +29,6 @@ FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _configured: Optional[str] = None
 _logged: set = set()
-_triton_error: Optional[str] = None
-_triton_mod = None
 
 
 def set_backend(name: Optional[str]) -> None:
@@ -45,21 +44,30 @@ def _normalize(name: str, origin: str) -> str:
     return name
 
 
-def _triton():
-    """The Triton backend module, imported on first use (see the module docstring)."""
-    global _triton_mod, _triton_error
-    if _triton_mod is None and _triton_error is None:
-        try:
-            from megatron_xmod.permute import triton_ops
+class LazyTriton:
+    """A Triton kernel module imported on first use (a broken triton must not break the import of
+    this package); remembers why it could not be imported. Shared by the permutation kernels and the
+    fused routing step."""
 
-            _triton_mod = triton_ops
-        except Exception as e:  # ImportError, or a triton that fails to initialise
-            _triton_error = f"triton is not usable ({type(e).__name__}: {e})"
-    return _triton_mod
+    def __init__(self, module: str):
+        self.name, self._module, self.error = module, None, None
+
+    def module(self):
+        if self._module is None and self.error is None:
+            try:
+                self._module = importlib.import_module(self.name)
+            except Exception as e:  # ImportError, or a triton that fails to initialise
+                self.error = f"triton is not usable ({type(e).__name__}: {e})"
+        return self._module
+
+    def unavailable(self, device: torch.device) -> Optional[str]:
+        """None if the kernels can run on ``device``, else the reason they cannot."""
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            return f"triton needs CUDA tensors (these are on {device}) or TRITON_INTERPRET=1"
+        return self.error if self.module() is None else None
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_triton = LazyTriton("megatron_xmod.permute.triton_ops")
 
 
 def _unavailable(name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
@@ -72,11 +80,7 @@ def _unavailable(name: str, device: torch.device, dtype: torch.dtype) -> Optiona
         from megatron_xmod.permute import cuda_ops
 
         return cuda_ops.unavailable_reason(device)
-    if device.type != "cuda" and not _interpreting():
-        return f"triton needs CUDA tensors (these are on {device}) or TRITON_INTERPRET=1"
-    if _triton() is None:
-        return _triton_error
-    return None
+    return _triton.unavailable(device)
 
 
 def _select(op: str, requested: Optional[str], device: torch.device, dtype: torch.dtype) -> str:
@@ -128,7 +132,7 @@ def _ops(name: str):
         from megatron_xmod.permute import cuda_ops
 
         return cuda_ops
-    return _triton()
+    return _triton.module()
 
 
 # ---------------------------------------------------------------- input checks
