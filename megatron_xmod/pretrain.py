@@ -71,7 +71,8 @@ def _pretrain(argv: list[str]) -> None:
         print(startup_summary(args, argument_dump=where), flush=True)
     patches.call_after_training_log(hooks.after_training_log)
     patches.iteration_to_routing_state()
-    patches.validation_from_the_start()
+    if not args.xmod_validation_continues:
+        patches.validation_from_the_start()
     patches.checkpoint_integrity()
     hooks.install_evaluation_log()
     config_container = pretrain_cfg_container_from_args(args, None)

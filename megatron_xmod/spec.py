@@ -136,6 +136,7 @@ class LayoutLayer(TransformerLayer):
         position = layer_number - 1 + get_transformer_layer_offset(config, vp_stage, pp_rank)
         submodules = _layer_submodules(config, submodules)
         if layer_number == 1:
+            check_chunk_start(xmod, position)
             LayoutLayer._chunk_state = RoutingState()
         state = LayoutLayer._chunk_state
         if layer_number == get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank):
@@ -151,6 +152,28 @@ class LayoutLayer(TransformerLayer):
             raise RuntimeError("LayoutLayer: layers of a model chunk were not built in order from local layer 1")
         layer.routing_state = state
         return layer
+
+
+def check_chunk_start(xmod: LayoutSpecParams, position: int) -> None:
+    """A model chunk starting inside a sparse block would silently restart the token-choice bias at 0:
+    our entry point carries it across stages in the pipeline's activations (its GPT model chunks, see
+    :mod:`megatron_xmod.pipeline.carry`), but the spec route only builds layers, and Megatron-LM's
+    pipeline sends hidden states alone."""
+    layer = xmod.parsed().layers[position]
+    if not (layer.is_sparse and layer.index_in_block > 0 and xmod.family == "xmod" and xmod.token_choice_bias_tau > 0):
+        return
+    layers = xmod.parsed().layers
+    first = last = position  # 0-based, the block's sparse layers
+    while first > 0 and layers[first - 1].is_sparse and layers[first - 1].block == layer.block:
+        first -= 1
+    while last + 1 < len(layers) and layers[last + 1].is_sparse and layers[last + 1].block == layer.block:
+        last += 1
+    raise ValueError(
+        f"pipeline_model_parallel_layout: a pipeline stage starts at layer {position + 1}, inside the sparse block "
+        f"of layers {first + 1}-{last + 1}, and the --spec route cannot carry the token-choice bias across a stage "
+        f"boundary (Megatron-LM's pipeline sends hidden states only); put the boundary before layer {first + 1} or "
+        f"after layer {last + 1} with --pipeline-model-parallel-layout, set "
+        f"token_choice_bias_tau=0 in the spec, or train with python -m megatron_xmod.pretrain, which carries it")
 
 
 def layout_spec(layout: str, family: str = "xmod", **routing) -> ModuleSpec:

@@ -2,10 +2,12 @@
 core_v0.19.0, ../shared/reference/), run through tests/run_megatron_lm.py under torchrun on CPU.
 
 Each launch is compared with ``python -m megatron_xmod.pretrain`` given the same megatron flags and
-seed (and ``--xmod-layout`` for the layout the spec carries): same loss at every iteration for TP1,
+seed (and ``--xmod-layout`` for the layout the spec carries, ``--xmod-validation-continues`` for
+megatron's validation protocol): same loss at every iteration for TP1,
 TP2 and PP2; the routed layers really built (megatron's parameter count equals ``xmod count``'s
 count_model, which differs from the dense model's); the router BCE reaches the loss; evaluation
-uses threshold routing; a wrong ``--num-layers`` stops with an error naming the field.
+uses threshold routing; a wrong ``--num-layers``, or a pipeline stage starting inside a sparse block,
+stops with an error naming the field.
 """
 from __future__ import annotations
 
@@ -54,8 +56,10 @@ class Runs:
         return self._run(("megatron-lm", parallel, spec, extra), nproc, [str(RUNNER)], argv, check)
 
     def ours(self, parallel: str, *extra: str):
+        """--xmod-validation-continues: megatron's own validation protocol (the --spec route gets
+        none of our patches), so both routes score the same batches at every validation."""
         nproc, flags = PARALLEL[parallel]
-        argv = ["--xmod-routing-family", "xmod", "--xmod-layout", LAYOUT, *flags,
+        argv = ["--xmod-routing-family", "xmod", "--xmod-layout", LAYOUT, "--xmod-validation-continues", *flags,
                 *common_flags(self.data, ITERS, *extra)]
         return self._run(("ours", parallel, extra), nproc, ["-m", "megatron_xmod.pretrain"], argv, True)
 
@@ -127,6 +131,19 @@ def test_num_layers_disagreeing_with_the_layout_is_a_clear_error(runs):
     assert returncode != 0
     assert "num_layers: 9 does not match the --spec layout 'D + (S4*2 + D)*2 + D'" in output
     assert "set --num-layers 8" in output
+    assert "iteration        1/" not in output
+
+
+def test_stage_starting_inside_a_sparse_block_is_a_clear_error(runs):
+    """Megatron-LM's pipeline sends hidden states only, so the --spec route cannot carry the
+    token-choice bias (our entry point can): a stage starting at layer 3, the second sparse layer of
+    the block 2-3, stops at build time instead of training a different model."""
+    returncode, output = runs.megatron_lm("pp2", "tiny", "--pipeline-model-parallel-layout", "Et*2|t*6L",
+                                          check=False)
+    assert returncode != 0
+    assert ("pipeline_model_parallel_layout: a pipeline stage starts at layer 3, inside the sparse block of "
+            "layers 2-3") in output
+    assert "put the boundary before layer 2 or after layer 3" in output
     assert "iteration        1/" not in output
 
 

@@ -76,6 +76,10 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--xmod-paper-schedule", action="store_true", help="1%% warmup, cosine to 10%% of peak")
     group.add_argument("--xmod-no-topk-validation", action="store_true",
                        help="skip the top-k routing comparison loss during validation")
+    group.add_argument("--xmod-validation-continues", action="store_true",
+                       help="each validation scores the next --eval-iters batches, as megatron's evaluate() does "
+                            "(default: every validation scores the same first batches, so a curve shows progress "
+                            "rather than batch difficulty)")
     group.add_argument("--xmod-pipeline-balance", default="default", choices=("default", "auto"),
                        help="auto: with --pipeline-model-parallel-size > 1 and no split of your own, the cost-balanced "
                             "--pipeline-model-parallel-layout of `xmod partition`")

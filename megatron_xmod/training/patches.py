@@ -12,7 +12,8 @@ Each patch names the megatron line it targets (paths relative to ``megatron/core
 - 13, :func:`call_after_training_log` (every device): our routing/compute log after megatron's own.
 - 14, :func:`no_log_writers` (the dry run only): validation that writes nothing.
 - 15, :func:`iteration_to_routing_state` (every device): the token-choice bias warm-up's clock.
-- 16, :func:`validation_from_the_start` (every device): every validation scores the same sequences.
+- 16, :func:`validation_from_the_start` (every device, unless ``--xmod-validation-continues``): every
+  validation scores the same sequences.
 - 17, :func:`checkpoint_integrity` (every device): no save of non-finite weights, a checksum manifest
   after each save, verification before each load (:mod:`megatron_xmod.training.checkpoints`), and a
   message instead of a TypeError when megatron's exit path asks for a save without ``--save``.
