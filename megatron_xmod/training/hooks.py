@@ -5,12 +5,9 @@ evaluation routing statistics after each validation."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
-import time
 from collections.abc import Callable
 
-from megatron_xmod.training import flags, providers, step
+from megatron_xmod.training import flags, patches, providers, step
 from megatron_xmod.training.log import RoutingLog
 
 
@@ -24,7 +21,7 @@ class TrainHooks:
     log: RoutingLog
 
     def install_evaluation_log(self) -> None:
-        call_after_evaluation(self.log.evaluation)
+        patches.call_after_evaluation(self.log.evaluation)
 
 
 def xmod_train_hooks() -> TrainHooks:
@@ -49,37 +46,3 @@ def xmod_train_hooks() -> TrainHooks:
         after_training_log=log,
         log=log,
     )
-
-
-def call_after_evaluation(callback: Callable[..., object]) -> None:
-    """training/training.py:4342 ``evaluate_and_print_results`` (periodic validation, training.py:4040,
-    and the validation after training, training.py:1483), called on every rank: run
-    ``callback(iteration, write_to_tensorboard, seconds, split)`` after it, so the evaluation routing
-    statistics land at the iteration of their validation (the last one included). Installed once per
-    process; a later call only replaces the callback. (A wrapper of megatron like those of
-    :mod:`megatron_xmod.training.patches`, kept beside its callback.)"""
-    import megatron.training.training as training
-
-    original = training.evaluate_and_print_results
-    if getattr(original, "_xmod_callback", None) is not None:
-        original._xmod_callback = callback
-        return
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def evaluate_and_print_results(*args, **kwargs):
-        started = time.time()
-        result = original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        evaluate_and_print_results._xmod_callback(bound.arguments["iteration"], bound.arguments["write_to_tensorboard"],
-                                                  time.time() - started, split_of(bound.arguments["prefix"]))
-        return result
-
-    evaluate_and_print_results._xmod_callback = callback
-    training.evaluate_and_print_results = evaluate_and_print_results
-
-
-def split_of(prefix: str) -> str:
-    """megatron names the held-out set only in the console prefix: ``iteration N on test set``."""
-    return "test" if "test set" in str(prefix) else "validation"

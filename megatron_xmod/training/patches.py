@@ -21,6 +21,8 @@ Each patch names the megatron line it targets (paths relative to ``megatron/core
   carry the token-choice bias channels (:mod:`megatron_xmod.pipeline.carry`).
 - 19, :func:`checks_before_tokenizer` (every device): tokenizer files and output directories checked
   before megatron builds the tokenizer (no model-hub look-up) and the log writers.
+- 20, :func:`call_after_evaluation` (every device): the evaluation routing statistics after megatron's
+  validation line.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import functools
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -212,26 +215,51 @@ def skip_dataset_helper_build() -> None:
     dataset_utils.compile_helpers = lambda: None
 
 
-def call_after_training_log(callback: Callable[[int], None]) -> None:
-    """13. training/training.py:2568 ``training_log(..., iteration, ...)``, called on every rank each
-    iteration (training.py:3985): run ``callback(iteration)`` right after it, so our scalars go to the
-    same console and tensorboard writer at the same interval. Installed once per process."""
+def _call_after(name: str, arguments: Callable[[inspect.BoundArguments, float], tuple], callback: Callable) -> None:
+    """Wrap ``megatron.training.training.<name>`` once per process so that ``callback(*arguments(bound,
+    seconds))`` runs after each call (``bound``: the call's arguments with defaults applied, ``seconds``:
+    its wall time). A later install only replaces the callback."""
     import megatron.training.training as training
 
-    original = training.training_log
+    original = getattr(training, name)
     if getattr(original, "_xmod_callback", None) is not None:
         original._xmod_callback = callback
         return
     signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def training_log(*args, **kwargs):
+    def wrapper(*args, **kwargs):
+        started = time.time()
         result = original(*args, **kwargs)
-        training_log._xmod_callback(signature.bind(*args, **kwargs).arguments["iteration"])
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        wrapper._xmod_callback(*arguments(bound, time.time() - started))
         return result
 
-    training_log._xmod_callback = callback
-    training.training_log = training_log
+    wrapper._xmod_callback = callback
+    setattr(training, name, wrapper)
+
+
+def call_after_training_log(callback: Callable[[int], None]) -> None:
+    """13. training/training.py:2568 ``training_log(..., iteration, ...)``, called on every rank each
+    iteration (training.py:3985): run ``callback(iteration)`` right after it, so our scalars go to the
+    same console and tensorboard writer at the same interval."""
+    _call_after("training_log", lambda bound, seconds: (bound.arguments["iteration"],), callback)
+
+
+def call_after_evaluation(callback: Callable[[int, bool, float, str], object]) -> None:
+    """20. training/training.py:4342 ``evaluate_and_print_results`` (periodic validation, training.py:4040,
+    and the evaluations after training, training.py:1483), called on every rank: run
+    ``callback(iteration, write_to_tensorboard, seconds, split)`` after it, so the evaluation routing
+    statistics land at the iteration of their validation (the last one included)."""
+    _call_after("evaluate_and_print_results",
+                lambda bound, seconds: (bound.arguments["iteration"], bound.arguments["write_to_tensorboard"],
+                                        seconds, split_of(bound.arguments["prefix"])), callback)
+
+
+def split_of(prefix: str) -> str:
+    """megatron names the held-out set only in the console prefix: ``iteration N on test set``."""
+    return "test" if "test set" in str(prefix) else "validation"
 
 
 def no_log_writers() -> None:
