@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import tiny_model
 
+from bench.memory import saved_bytes_per_layer
 from megatron_xmod.layers import XModSparseLayer
 from megatron_xmod.model import sparse_layers
 
@@ -102,26 +103,8 @@ def _measure_layers(layout, family="xmod", seq=64):
     model, config = tiny_model(layout, seq_len=seq, xmod_routing_family=family) if "S" in layout else tiny_model(layout, seq_len=seq)
     model.train()
     x = torch.randn(seq, 1, config.hidden_size, requires_grad=True)
-    rope = model.rotary_pos_emb(seq)
-    per_layer = [0] * len(model.decoder.layers)
-    current = [0]
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, kept = set(), []
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            per_layer[current[0]] += storage.nbytes()
-        kept.append(t)  # alive as the graph would keep it; the graph holds the index (no cycle)
-        return len(kept) - 1
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, kept.__getitem__):
-        h = x
-        for i, layer in enumerate(model.decoder.layers):
-            current[0] = i
-            h, _ = layer(h, rotary_pos_emb=rope)
-    return TINY, per_layer
+    # the counter bench/memory.py reports with: each distinct non-parameter storage once
+    return TINY, saved_bytes_per_layer(model, x, model.rotary_pos_emb(seq))
 
 
 @pytest.mark.parametrize("family", ["xmod", "mod"])
