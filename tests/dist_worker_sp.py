@@ -4,8 +4,10 @@ Usage: <family> <steps>
 Trains the same tiny routed model twice from the same weights on the same batches: first at TP1 (the
 two processes are data-parallel replicas with identical data), then at TP2 with sequence parallelism
 (each rank holds half of every sequence); both through megatron's DistributedDataParallel and
-finalize_model_grads. Rank 0 prints one JSON line per run: the losses, the routed sets of every
-sparse layer at every step (training top-k, then evaluation threshold), and the eval loss.
+finalize_model_grads. The local spec's norms run under sequence parallelism through numbered patch 21
+(megatron_xmod.training.patches, part of cpu_patches). Rank 0 prints one JSON line per run: the
+losses, the routed sets of every sparse layer at every step (training top-k, then evaluation
+threshold), and the eval loss.
 """
 import hashlib
 import json
@@ -20,34 +22,6 @@ from megatron_xmod.training.patches import cpu_patches  # noqa: E402
 SEQ, BATCH, LAYOUT = 32, 2, "D + (S4*2 + D)"
 
 
-class SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm for the local spec under sequence parallelism (megatron's WrappedTorchNorm
-    refuses it; TransformerEngine's TENorm, which GPU runs use, supports it): tags its weight for
-    megatron's gradient all-reduce across the TP ranks, as TENorm does."""
-
-    def __init__(self, config, hidden_size, eps=1e-5, **unused):
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
-        self.weight.sequence_parallel = config.sequence_parallel
-
-
-def _spec(config):
-    import dataclasses
-
-    from megatron_xmod.block import get_xmod_decoder_block_spec
-
-    spec = get_xmod_decoder_block_spec(config, use_transformer_engine=False)
-
-    def swap(submodules):
-        attention = submodules.self_attention
-        attention = dataclasses.replace(attention, submodules=dataclasses.replace(
-            attention.submodules, q_layernorm=SequenceParallelRMSNorm, k_layernorm=SequenceParallelRMSNorm))
-        return dataclasses.replace(submodules, input_layernorm=SequenceParallelRMSNorm, self_attention=attention,
-                                   pre_mlp_layernorm=SequenceParallelRMSNorm)
-
-    layers = [dataclasses.replace(s, submodules=swap(s.submodules)) for s in spec.layer_specs]
-    return dataclasses.replace(spec, layer_specs=layers, layer_norm=SequenceParallelRMSNorm)
-
-
 def _build(family, tp, full_state=None):
     from helpers import TINY
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -56,8 +30,7 @@ def _build(family, tp, full_state=None):
 
     config = config_from_backbone(TINY, LAYOUT, use_cpu_initialization=True, xmod_routing_family=family,
                                   tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
-    model = build_gpt_model(config, TINY.vocab_size, SEQ, rotary_base=TINY.rotary_base,
-                            transformer_layer_spec=_spec(config))
+    model = build_gpt_model(config, TINY.vocab_size, SEQ, rotary_base=TINY.rotary_base)
     if full_state is not None:
         model.load_state_dict(_shard(full_state, model.state_dict(), tp))
     return DistributedDataParallel(config, DistributedDataParallelConfig(), model), model

@@ -32,10 +32,16 @@ def reference(tmp_path_factory):
     return data, checkpoint, _run(1, data, "--load", str(checkpoint))
 
 
-def _from_common_start(reference, layout):
+def _from_common_start(reference, layout, tensor_parallel=1):
     data, checkpoint, _ = reference
-    return _run(2, data, "--load", str(checkpoint), "--pipeline-model-parallel-size", "2",
-                "--pipeline-model-parallel-layout", layout)
+    if layout is None:
+        pipeline = []
+    else:
+        pipeline = ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", layout]
+    if tensor_parallel > 1:
+        pipeline += ["--tensor-model-parallel-size", str(tensor_parallel), "--sequence-parallel"]
+    nproc = tensor_parallel * (1 if layout is None else 2)
+    return _run(nproc, data, "--load", str(checkpoint), *pipeline)
 
 
 def _assert_same(reference, run):
@@ -56,3 +62,13 @@ def test_pp2_boundary_inside_sparse_block_matches_pp1(reference):
 def test_pp2_vpp2_interleaved_matches_pp1(reference):
     # chunks: [E 1 2] [3] [4 5] [6 7 8 L] on ranks 0 1 0 1: boundaries 2|3 and 5|6 split sparse blocks
     _assert_same(reference, _from_common_start(reference, "Et*2|t|t*2|t*3L"))
+
+
+def test_tp2_sequence_parallel_pp2_boundary_inside_sparse_block_matches_pp1(reference):
+    # 4 processes: each stage's two TP ranks hold half of every sequence; the bias channels crossing
+    # the 2|3 boundary are sent as sequence shards and all-gathered by the receiving stage
+    _assert_same(reference, _from_common_start(reference, "Et*2|t*6L", tensor_parallel=2))
+
+
+def test_tp2_sequence_parallel_matches_pp1(reference):
+    _assert_same(reference, _from_common_start(reference, None, tensor_parallel=2))

@@ -8,6 +8,7 @@ Each patch names the megatron line it targets (paths relative to ``megatron/core
   build of torch imports fine without a driver but every CUDA call raises, and megatron calls CUDA
   unconditionally in a handful of places. Use ``with cpu_patches(training=...):`` around the work;
   the torch-function mode of patch 3 is entered on the way in and exited on the way out.
+  Patch 21 (also in this group): the local-spec norm under sequence parallelism.
 - 12, :func:`skip_dataset_helper_build` (every device): the wheel cannot rebuild its dataset helpers.
 - 13, :func:`call_after_training_log` (every device): our routing/compute log after megatron's own.
 - 14, :func:`no_log_writers` (the dry run only): validation that writes nothing.
@@ -157,6 +158,49 @@ def _install_core() -> None:
         return tensor.detach().cpu().numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _to_host
+    # 21. sp-norm: transformer/torch_norm.py:50 WrappedTorchNorm.__new__ asserts not
+    #     config.sequence_parallel; GPU runs use TransformerEngine's TENorm, which supports it.
+    _sequence_parallel_torch_norm()
+
+
+class _ConfigWithoutSequenceParallel:
+    """``config`` as WrappedTorchNorm reads it, with ``sequence_parallel`` False (patch 21)."""
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name):
+        return False if name == "sequence_parallel" else getattr(self._config, name)
+
+
+def _sequence_parallel_torch_norm() -> None:
+    """21. transformer/torch_norm.py:50 ``WrappedTorchNorm.__new__`` asserts ``not
+    config.sequence_parallel``, so the local spec (every CPU run) cannot use sequence parallelism.
+    A norm is elementwise along the sequence, so on a sequence shard torch's LayerNorm/RMSNorm is
+    right as is; only its weight gradients are partial sums over this rank's tokens. As
+    TransformerEngine's TENorm does, the norm's parameters are tagged ``sequence_parallel = True``,
+    and megatron's finalize_model_grads all-reduces them across the TP group
+    (distributed/finalize_model_grads.py ``_allreduce_non_tensor_model_parallel_grads``). megatron's
+    other assertions (zero-centred gamma, persist / memory-efficient layer norm) still apply. The
+    class is patched in place, since the layer specs hold it (models/gpt/gpt_layer_specs.py:75
+    ``LNImpl = WrappedTorchNorm``); without sequence parallelism nothing changes."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+    if getattr(original, "_xmod_sequence_parallel", False):
+        return
+
+    @functools.wraps(original)
+    def __new__(cls, config, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return original(cls, config, *args, **kwargs)
+        norm = original(cls, _ConfigWithoutSequenceParallel(config), *args, **kwargs)
+        for parameter in norm.parameters():
+            parameter.sequence_parallel = True
+        return norm
+
+    __new__._xmod_sequence_parallel = True
+    WrappedTorchNorm.__new__ = __new__
 
 
 def _install_training() -> None:
