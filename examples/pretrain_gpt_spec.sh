@@ -7,8 +7,10 @@
 #   MEGATRON_LM=/path/to/Megatron-LM DATA=/data/my_text_document TOKENIZER=/models/tok bash examples/pretrain_gpt_spec.sh
 #   DRY_RUN=1 ... bash examples/pretrain_gpt_spec.sh     # print the command, validate it, run nothing
 #
-# Knobs: MEGATRON_LM NNODES NPROC NODE_RANK MASTER_ADDR MASTER_PORT TP PP SPEC NUM_LAYERS SEQ MBS
-#        GBS ITERS DATA TOKENIZER CKPT TB EXTRA_ARGS (appended last, so they win).
+# Knobs: MEGATRON_LM NNODES NPROC NODE_RANK MASTER_ADDR MASTER_PORT TP PP PP_LAYOUT SPEC NUM_LAYERS SEQ
+#        MBS GBS ITERS DATA TOKENIZER CKPT TB EXTRA_ARGS (appended last, so they win).
+# PP > 1: no pipeline stage may start inside a sparse block (this route cannot carry the token-choice
+# bias between stages); PP_LAYOUT=$(xmod partition --backbone 936m --model xmod-a3k16 --pp 4 --block-aligned --json | jq -r .layout)
 # Megatron imports --spec's module and, if that import fails, logs one line and trains its default
 # DENSE model of --num-layers layers: this script checks the spec first (python -m megatron_xmod.spec),
 # and the run prints "[xmod] --spec built layers ..." on every pipeline stage.
@@ -23,6 +25,7 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 TP=${TP:-8}   # one 8-GPU node; at L = 32768 a 936M X-MoD needs TP 8 with sequence parallelism (xmod count --memory)
 PP=${PP:-1}
+PP_LAYOUT=${PP_LAYOUT:-}              # megatron's --pipeline-model-parallel-layout (default: its even split)
 SPEC=${SPEC:-xmod_a3k16}            # dense (28 layers), mod (49), xmod_a4k8 (161), xmod_a3k16 (298)
 NUM_LAYERS=${NUM_LAYERS:-298}
 SEQ=${SEQ:-32768}
@@ -97,6 +100,7 @@ PARALLEL_ARGS=(
     --recompute-granularity selective
 )
 if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
+if [ -n "$PP_LAYOUT" ]; then PARALLEL_ARGS+=(--pipeline-model-parallel-layout "$PP_LAYOUT"); fi
 
 DATA_ARGS=(
     --data-path "$DATA"
@@ -117,8 +121,11 @@ OUTPUT_ARGS=(
 
 ARGS=("${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${EXTRA[@]}")
 
-# The spec exists and matches --num-layers (errors that megatron would swallow or hit late).
-"$PY" -m megatron_xmod.spec megatron_xmod.spec "$SPEC" --num-layers "$NUM_LAYERS"
+# The spec exists, matches --num-layers, and no pipeline stage starts inside a sparse block (errors that
+# megatron would swallow or hit only once the nodes are up).
+CHECK=(--num-layers "$NUM_LAYERS" --pipeline-model-parallel-size "$PP")
+if [ -n "$PP_LAYOUT" ]; then CHECK+=(--pipeline-model-parallel-layout "$PP_LAYOUT"); fi
+"$PY" -m megatron_xmod.spec megatron_xmod.spec "$SPEC" "${CHECK[@]}"
 if [ "${DRY_RUN:-0}" = "1" ]; then
     echo "torchrun ${DISTRIBUTED_ARGS[*]} $MEGATRON_LM/pretrain_gpt.py ${ARGS[*]}"
     # megatron's full argument validation at this launch's world size (no GPU, no process group)

@@ -22,7 +22,9 @@ module and then trains its default dense model: check a launch beforehand with :
     python -m megatron_xmod.spec my_module my_model --num-layers 16
 
 (imports the spec as megatron does but lets errors through, prints its layout, exits 2 when
-``--num-layers`` disagrees), and in the run, the ``[xmod] --spec built layers`` line each stage
+``--num-layers`` disagrees or, given the launch's ``--pipeline-model-parallel-size`` /
+``--num-virtual-stages-per-pipeline-rank`` / ``--pipeline-model-parallel-layout``, when a pipeline
+stage would start inside a sparse block), and in the run, the ``[xmod] --spec built layers`` line each stage
 prints, or the parameter count against ``xmod count``.
 """
 from __future__ import annotations
@@ -204,15 +206,42 @@ def resolve(module: str, name: str) -> ModuleSpec:
     return obj
 
 
+def chunk_starts(num_layers: int, pp: int, vpp: Optional[int] = None, layout: Optional[str] = None) -> list[int]:
+    """0-based first layer of every model chunk, in model order, as megatron splits ``num_layers``:
+    the chunks of ``--pipeline-model-parallel-layout`` (megatron's own parser), else ``pp * vpp`` equal
+    chunks (megatron refuses a layer count they do not divide)."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import LayerType, PipelineParallelLayerLayout
+
+    if layout:
+        sizes = [sum(kind == LayerType.decoder for kind in chunk)
+                 for chunk in PipelineParallelLayerLayout.parse_str_to_list(layout)]
+        if sum(sizes) != num_layers:
+            raise ValueError(f"pipeline_model_parallel_layout: {layout!r} places {sum(sizes)} transformer layers "
+                             f"('t'), the --spec layout has {num_layers}")
+    else:
+        chunks = pp * (vpp or 1)
+        if num_layers % chunks:
+            raise ValueError(f"num_layers: {num_layers} layers do not split evenly into {chunks} pipeline chunks; "
+                             "give --pipeline-model-parallel-layout (xmod partition prints one)")
+        sizes = [num_layers // chunks] * chunks
+    return [sum(sizes[:i]) for i, size in enumerate(sizes) if size]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_xmod.spec",
                                      description="Check a --spec MODULE NAME before launching Megatron-LM with it.")
     parser.add_argument("module")
     parser.add_argument("name")
     parser.add_argument("--num-layers", type=int, default=None, help="the launch's --num-layers, checked against the layout")
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                        help="with the two flags below, the launch's pipeline split: no stage may start inside a "
+                             "sparse block while the token-choice bias is on")
+    parser.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    parser.add_argument("--pipeline-model-parallel-layout", default=None)
     args = parser.parse_args(argv)
     try:
-        layout = resolve(args.module, args.name).params["xmod"].parsed()
+        params = resolve(args.module, args.name).params["xmod"]
+        layout = params.parsed()
     except (ImportError, AttributeError, TypeError) as error:
         print(f"megatron_xmod.spec: error: {error}", file=sys.stderr)
         return 2
@@ -222,6 +251,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"megatron_xmod.spec: error: num_layers: {args.num_layers} does not match the --spec layout, which has "
               f"{layout.num_layers} physical layers; set --num-layers {layout.num_layers}", file=sys.stderr)
         return 2
+    if args.pipeline_model_parallel_size > 1 or args.pipeline_model_parallel_layout:
+        try:
+            starts = chunk_starts(layout.num_layers, args.pipeline_model_parallel_size,
+                                  args.num_virtual_stages_per_pipeline_rank, args.pipeline_model_parallel_layout)
+            for start in starts:
+                check_chunk_start(params, start)
+        except ValueError as error:
+            print(f"megatron_xmod.spec: error: {error}", file=sys.stderr)
+            return 2
+        print(f"pipeline chunks start at layers {', '.join(str(start + 1) for start in starts)}: "
+              "none inside a sparse block")
     return 0
 
 

@@ -107,6 +107,14 @@ def test_pretrain_gpt_spec_example_dry_run(data):
     # a misspelt spec (which megatron would swallow and train dense) is an error here
     typo = run_example("pretrain_gpt_spec.sh", **{**env, "SPEC": "xmod_a3k61"})
     assert typo.returncode == 2 and "has no 'xmod_a3k61'" in typo.stderr
+    # PP 2: megatron's even split starts stage 2 inside a sparse block; a block-aligned layout passes
+    split = run_example("pretrain_gpt_spec.sh", **{**env, "PP": 2})
+    assert split.returncode == 2 and "a pipeline stage starts at layer 150, inside the sparse block" in split.stderr
+    assert "torchrun" not in split.stdout
+    aligned = run_example("pretrain_gpt_spec.sh", **{**env, "TP": 4, "PP": 2, "PP_LAYOUT": "Et*151|t*147L"})
+    assert aligned.returncode == 0, aligned.stdout + aligned.stderr
+    assert "pipeline chunks start at layers 1, 152: none inside a sparse block" in aligned.stdout
+    assert "--pipeline-model-parallel-layout Et*151|t*147L" in aligned.stdout
 
 
 def test_patches_folder_holds_only_patches_that_apply(tmp_path):

@@ -46,6 +46,45 @@ def test_min_max_split_is_exact():
         assert worst == pytest.approx(_brute_force(costs, chunks))
 
 
+def test_min_max_split_with_forbidden_starts_is_exact():
+    rng = random.Random(1)
+    for _ in range(40):
+        costs = [rng.uniform(0.05, 3.0) for _ in range(rng.randint(4, 10))]
+        no_start = set(rng.sample(range(1, len(costs)), rng.randint(0, len(costs) // 2)))
+        starts = [i for i in range(1, len(costs)) if i not in no_start]
+        chunks = rng.randint(1, len(starts) + 1)
+        sizes = min_max_split(costs, chunks, sorted(no_start))
+        bounds = [0, *itertools.accumulate(sizes)]
+        assert not no_start & set(bounds)
+        best = min(max(sum(costs[a:b]) for a, b in zip(cut, cut[1:]))
+                   for cut in ((0, *c, len(costs)) for c in itertools.combinations(starts, chunks - 1)))
+        assert max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])) == pytest.approx(best)
+    with pytest.raises(ValueError, match="chunks: 3 parts cannot all start at an allowed item"):
+        min_max_split([1.0] * 4, 3, [1, 2])
+
+
+def test_block_aligned_layout_passes_the_spec_routes_check(capsys):
+    """--block-aligned: what Megatron-LM's pretrain_gpt.py --spec can run (it cannot carry the bias
+    across stages); the unconstrained layout splits blocks, and the --spec check refuses it."""
+    from megatron_xmod import spec as xmod_spec
+
+    for aligned in (True, False):
+        assert xmod(["partition", "--backbone", "1.65b", "--model", "xmod-a3k16", "--pp", "8", "--json"]
+                    + ["--block-aligned"] * aligned) == 0
+        out = json.loads(capsys.readouterr().out)
+        check = ["megatron_xmod.spec", "xmod_a3k16", "--num-layers", "298", "--pipeline-model-parallel-size", "8",
+                 "--pipeline-model-parallel-layout", out["layout"]]
+        assert xmod_spec.main(check) == (0 if aligned else 2)
+        assert ("none inside a sparse block" in capsys.readouterr().out) is aligned
+        if aligned:  # between the unconstrained optimum (1.029) and megatron's count split (2.02)
+            assert 1.05 < out["max_over_mean"] < 1.3 < out["default_max_over_mean"]
+            assert out["block_aligned"] is True
+    # megatron's even split of 298 layers in 2 stages starts stage 2 at layer 150, inside a block
+    assert xmod_spec.main(["megatron_xmod.spec", "xmod_a3k16", "--num-layers", "298",
+                           "--pipeline-model-parallel-size", "2"]) == 2
+    assert "a pipeline stage starts at layer 150, inside the sparse block of layers 103-150" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("pp,vpp", [(8, 1), (4, 2), (2, 4)])
 def test_layout_string_is_megatrons_grammar(pp, vpp):
     from megatron.core.transformer.enums import LayerType

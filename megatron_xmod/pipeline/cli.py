@@ -28,20 +28,26 @@ def register(subparsers) -> None:
     p.add_argument("--calibration", default=None, help="JSON of measured seconds per item kind (D, S<K>, E, L)")
     p.add_argument("--flops-per-s", type=float, default=Hardware.flops_per_s, help="achieved FLOP/s of one device")
     p.add_argument("--bytes-per-s", type=float, default=Hardware.bytes_per_s, help="achieved memory bandwidth, B/s")
+    p.add_argument("--block-aligned", action="store_true",
+                   help="no stage starts inside a sparse block: for Megatron-LM's pretrain_gpt.py --spec, which cannot "
+                        "carry the token-choice bias across stages (our entry point can: any boundary)")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=run)
 
 
 def plan(backbone: str, model: str, seq_len: int, pp: int, vpp: int = 1, micro_batch_size: int = 1,
          num_microbatches=None, dense_prefix: int = 4, calibration=None,
-         hardware: Hardware = DEFAULT_HARDWARE) -> tuple[Partition, Partition]:
-    """(balanced, default) partitions of ``model`` on ``backbone``."""
+         hardware: Hardware = DEFAULT_HARDWARE, block_aligned: bool = False) -> tuple[Partition, Partition]:
+    """(balanced, default) partitions of ``model`` on ``backbone``; ``block_aligned``: no balanced stage
+    starts at a sparse layer that continues a block (items are [E, layers, L]: layer i is item i + 1)."""
     description = parse_model(model, get_backbone(backbone), dense_prefix=dense_prefix)
     items = model_items(description, seq_len, micro_batch_size, hardware, calibration)
     if pp * vpp > len(items):
         raise ValueError(f"pp/vpp: {pp} x {vpp} stages exceed the {len(items) - 2} layers (+ embedding and loss); "
                          "use fewer stages")
-    return (balanced_partition(items, pp, vpp, num_microbatches),
+    inside_blocks = [i + 1 for i, layer in enumerate(description.layout.layers)
+                     if block_aligned and layer.is_sparse and layer.index_in_block > 0]
+    return (balanced_partition(items, pp, vpp, num_microbatches, inside_blocks),
             default_partition(items, pp, vpp, num_microbatches))
 
 
@@ -52,12 +58,12 @@ def _gib(n: float) -> str:
 def run(args) -> int:
     balanced, default = plan(args.backbone, args.model, args.seq_len, args.pp, args.vpp, args.micro_batch_size,
                              args.num_microbatches, args.dense_prefix, args.calibration,
-                             Hardware(args.flops_per_s, args.bytes_per_s))
+                             Hardware(args.flops_per_s, args.bytes_per_s), args.block_aligned)
     if args.json:
         out = balanced.to_dict()
         out.update(default_layout=default.layout, default_max_over_mean=default.max_over_mean,
                    default_rank_max_over_mean=default.rank_max_over_mean, backbone=args.backbone,
-                   model=args.model, seq_len=args.seq_len)
+                   model=args.model, seq_len=args.seq_len, block_aligned=args.block_aligned)
         print(json.dumps(out))
         return 0
     print(f"{args.model} on {args.backbone}, L = {args.seq_len}, PP = {args.pp}, VPP = {args.vpp}")

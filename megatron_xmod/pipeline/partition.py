@@ -9,6 +9,7 @@ classic min-max contiguous partition, solved exactly by dynamic programming over
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -17,17 +18,22 @@ import numpy as np
 from megatron_xmod.pipeline.cost import Item
 
 
-def min_max_split(costs: list[float], chunks: int) -> list[int]:
+def min_max_split(costs: list[float], chunks: int, no_start: Sequence[int] = ()) -> list[int]:
     """Sizes of ``chunks`` non-empty contiguous parts of ``costs`` minimising the largest part's sum
     (exact: dp[c][j] = min_i max(dp[c-1][i], sum(costs[i:j]))); among the optimal splits, the one
-    with the least sum of squared part sums, so the parts below the bottleneck are balanced too."""
+    with the least sum of squared part sums, so the parts below the bottleneck are balanced too.
+    No part starts at an index of ``no_start``."""
     n = len(costs)
     if chunks < 1 or chunks > n:
         raise ValueError(f"chunks: must be between 1 and the {n} items, got {chunks}")
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
     segment = prefix[None, :] - prefix[:, None]  # segment[i, j] = sum(costs[i:j])
     segment[np.tril_indices(n + 1)] = np.inf  # parts are non-empty: j > i
+    segment[list(no_start), :] = np.inf
     worst = _chunked_dp(segment, chunks, lambda best, seg: np.maximum(best[:, None], seg))[0]
+    if not np.isfinite(worst):
+        raise ValueError(f"chunks: {chunks} parts cannot all start at an allowed item ({n - len(set(no_start))} of "
+                         f"{n} allowed); use fewer stages")
     squares = np.where(segment <= worst * (1 + 1e-9), segment, np.inf) ** 2
     return _chunked_dp(squares, chunks, lambda best, seg: best[:, None] + seg)[1]
 
@@ -177,10 +183,12 @@ def check_parallel_sizes(num_layers: int, pp: int, vpp: int) -> None:
         raise ValueError("vpp: virtual pipeline stages need --pp > 1; set --pp 2 or more, or --vpp 1")
 
 
-def balanced_partition(items: list[Item], pp: int, vpp: int = 1, num_microbatches: Optional[int] = None) -> Partition:
-    """The layout minimising the slowest of the ``pp * vpp`` chunks."""
+def balanced_partition(items: list[Item], pp: int, vpp: int = 1, num_microbatches: Optional[int] = None,
+                       no_start: Sequence[int] = ()) -> Partition:
+    """The layout minimising the slowest of the ``pp * vpp`` chunks; no chunk starts at an item index
+    of ``no_start``."""
     check_parallel_sizes(len(items) - 2, pp, vpp)
-    sizes = min_max_split([item.time_s for item in items], pp * vpp)
+    sizes = min_max_split([item.time_s for item in items], pp * vpp, no_start)
     return build_partition(items, sizes, pp, vpp, num_microbatches)
 
 
