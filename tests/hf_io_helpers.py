@@ -24,11 +24,12 @@ FAMILIES = {
     # the X-MoD paper's MoE baseline recipe (sigmoid scores + expert bias, 2 shared experts), 8 experts
     "moe": (2, ["--pipeline-model-parallel-size", "2"],
             ["--moe-preset", "moe-8x64", "--num-experts", "8", "--moe-router-topk", "2", "--num-layers", "2"]),
-    # DTop-p: PI-controlled threshold, learnable DRN, 8 routed + 2 shared experts, T = 2. (MoE under TP
-    # needs megatron's sequence parallelism, which its local LayerNorm refuses on CPU.)
-    "dtopp": (1, [], ["--moe-preset", "dtopp-t2-e8", "--num-layers", "2"]),
+    # DTop-p: PI-controlled threshold, learnable DRN, 8 routed + 2 shared experts, T = 2. MoE under TP
+    # needs megatron's sequence parallelism (on CPU through numbered patch 21).
+    "dtopp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+              ["--moe-preset", "dtopp-t2-e8", "--num-layers", "2"]),
 }
-LAYOUT_NAMES = {"dense": "TP1/PP1", "xmod": "TP2", "mod": "PP2", "moe": "PP2", "dtopp": "TP1/PP1"}
+LAYOUT_NAMES = {"dense": "TP1/PP1", "xmod": "TP2", "mod": "PP2", "moe": "PP2", "dtopp": "TP2 + SP"}
 
 
 def train(family: str, out: Path, data: str) -> Path:
