@@ -10,7 +10,9 @@
 # Knobs: MEGATRON_LM NNODES NPROC NODE_RANK MASTER_ADDR MASTER_PORT TP PP PP_LAYOUT SPEC NUM_LAYERS SEQ
 #        MBS GBS ITERS DATA TOKENIZER CKPT TB EXTRA_ARGS (appended last, so they win).
 # PP > 1: no pipeline stage may start inside a sparse block (this route cannot carry the token-choice
-# bias between stages); PP_LAYOUT=$(xmod partition --backbone 936m --model xmod-a3k16 --pp 4 --block-aligned --json | jq -r .layout)
+# bias between stages). A balanced block-aligned layout for 4 nodes of 8 GPUs at TP 8, PP 4 (run on each
+# node with NODE_RANK and MASTER_ADDR set): NNODES=4 PP=4 \
+#   PP_LAYOUT=$(xmod partition --backbone 936m --model xmod-a3k16 --pp 4 --block-aligned --json | jq -r .layout)
 # Megatron imports --spec's module and, if that import fails, logs one line and trains its default
 # DENSE model of --num-layers layers: this script checks the spec first (python -m megatron_xmod.spec),
 # and the run prints "[xmod] --spec built layers ..." on every pipeline stage.
@@ -122,10 +124,9 @@ OUTPUT_ARGS=(
 ARGS=("${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${EXTRA[@]}")
 
 # The spec exists, matches --num-layers, and no pipeline stage starts inside a sparse block (errors that
-# megatron would swallow or hit only once the nodes are up).
-CHECK=(--num-layers "$NUM_LAYERS" --pipeline-model-parallel-size "$PP")
-if [ -n "$PP_LAYOUT" ]; then CHECK+=(--pipeline-model-parallel-layout "$PP_LAYOUT"); fi
-"$PY" -m megatron_xmod.spec megatron_xmod.spec "$SPEC" "${CHECK[@]}"
+# megatron would swallow or hit only once the nodes are up); it reads the pipeline flags of the whole
+# argument list, EXTRA_ARGS included, and ignores the rest.
+"$PY" -m megatron_xmod.spec megatron_xmod.spec "$SPEC" "${ARGS[@]}"
 if [ "${DRY_RUN:-0}" = "1" ]; then
     echo "torchrun ${DISTRIBUTED_ARGS[*]} $MEGATRON_LM/pretrain_gpt.py ${ARGS[*]}"
     # megatron's full argument validation at this launch's world size (no GPU, no process group)

@@ -22,9 +22,8 @@ module and then trains its default dense model: check a launch beforehand with :
     python -m megatron_xmod.spec my_module my_model --num-layers 16
 
 (imports the spec as megatron does but lets errors through, prints its layout, exits 2 when
-``--num-layers`` disagrees or, given the launch's ``--pipeline-model-parallel-size`` /
-``--num-virtual-stages-per-pipeline-rank`` / ``--pipeline-model-parallel-layout``, when a pipeline
-stage would start inside a sparse block), and in the run, the ``[xmod] --spec built layers`` line each stage
+``--num-layers`` disagrees or when a pipeline stage would start inside a sparse block; give it the
+launch's whole argument list after the name, the pipeline-split flags are read from it), and in the run, the ``[xmod] --spec built layers`` line each stage
 prints, or the parameter count against ``xmod count``.
 """
 from __future__ import annotations
@@ -206,39 +205,87 @@ def resolve(module: str, name: str) -> ModuleSpec:
     return obj
 
 
-def chunk_starts(num_layers: int, pp: int, vpp: Optional[int] = None, layout: Optional[str] = None) -> list[int]:
-    """0-based first layer of every model chunk, in model order, as megatron splits ``num_layers``:
-    the chunks of ``--pipeline-model-parallel-layout`` (megatron's own parser), else ``pp * vpp`` equal
-    chunks (megatron refuses a layer count they do not divide)."""
-    from megatron.core.transformer.pipeline_parallel_layer_layout import LayerType, PipelineParallelLayerLayout
+@dataclasses.dataclass(frozen=True)
+class PipelineSplit:
+    """The flags of a launch that decide where megatron's pipeline chunks start."""
 
-    if layout:
-        sizes = [sum(kind == LayerType.decoder for kind in chunk)
-                 for chunk in PipelineParallelLayerLayout.parse_str_to_list(layout)]
-        if sum(sizes) != num_layers:
-            raise ValueError(f"pipeline_model_parallel_layout: {layout!r} places {sum(sizes)} transformer layers "
-                             f"('t'), the --spec layout has {num_layers}")
-    else:
-        chunks = pp * (vpp or 1)
-        if num_layers % chunks:
-            raise ValueError(f"num_layers: {num_layers} layers do not split evenly into {chunks} pipeline chunks; "
-                             "give --pipeline-model-parallel-layout (xmod partition prints one)")
-        sizes = [num_layers // chunks] * chunks
-    return [sum(sizes[:i]) for i, size in enumerate(sizes) if size]
+    pipeline_model_parallel_size: int = 1
+    num_virtual_stages_per_pipeline_rank: Optional[int] = None
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    pipeline_model_parallel_layout: Optional[str] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline_model_parallel_size > 1 or bool(self.pipeline_model_parallel_layout)
+
+
+def chunk_starts(num_layers: int, split: PipelineSplit) -> list[int]:
+    """0-based first layer of every model chunk, in model order, as megatron places them: the chunks
+    of ``--pipeline-model-parallel-layout`` (megatron's parser; the string lists chunks in model
+    order), else megatron's own offsets (``get_transformer_layer_offset``) for a config with the
+    launch's split, which also applies megatron's checks of it."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.pipeline_parallel_layer_layout import LayerType, PipelineParallelLayerLayout
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    pp, vpp = split.pipeline_model_parallel_size, split.num_virtual_stages_per_pipeline_rank
+    if split.pipeline_model_parallel_layout:
+        layout = split.pipeline_model_parallel_layout
+        if vpp or split.num_layers_per_virtual_pipeline_stage:
+            raise ValueError("pipeline_model_parallel_layout: the layout sets the virtual stages itself; drop "
+                             "--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage")
+        unknown = sorted(set(layout) - set("EtmL|*(),0123456789 "))
+        if unknown:
+            raise ValueError(f"pipeline_model_parallel_layout: unknown letter(s) {', '.join(map(repr, unknown))} in "
+                             f"{layout!r}; use E (embedding), t (transformer layer), m (MTP), L (loss), | between "
+                             "stages and *N")
+        chunks = PipelineParallelLayerLayout.parse_str_to_list(layout)
+        sizes = [sum(kind == LayerType.decoder for kind in chunk) for chunk in chunks]
+        if sum(sizes) != num_layers or len(chunks) % pp:
+            raise ValueError(f"pipeline_model_parallel_layout: {layout!r} has {len(chunks)} stages of {sum(sizes)} "
+                             f"transformer layers ('t'); give a multiple of --pipeline-model-parallel-size {pp} "
+                             f"stages with {num_layers} 't' in all")
+        return [sum(sizes[:i]) for i, size in enumerate(sizes) if size]
+    if split.num_layers_per_virtual_pipeline_stage:
+        vpp = num_layers // pp // split.num_layers_per_virtual_pipeline_stage
+    try:  # megatron's checks of the split are assertions, in the config and in the layer count
+        config = TransformerConfig(
+            num_layers=num_layers, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
+            pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+            num_layers_in_first_pipeline_stage=split.decoder_first_pipeline_num_layers,
+            num_layers_in_last_pipeline_stage=split.decoder_last_pipeline_num_layers,
+            account_for_embedding_in_pipeline_split=split.account_for_embedding_in_pipeline_split,
+            account_for_loss_in_pipeline_split=split.account_for_loss_in_pipeline_split)
+        stages = [None] if config.virtual_pipeline_model_parallel_size is None else range(vpp)
+        return [get_transformer_layer_offset(config, stage, rank) for stage in stages for rank in range(pp)
+                if get_num_layers_to_build(config, vp_stage=stage, pp_rank=rank)]
+    except (AssertionError, ValueError) as error:
+        raise ValueError(f"pipeline_model_parallel_size: megatron refuses this split of {num_layers} layers ({error}); "
+                         "give --pipeline-model-parallel-layout (xmod partition --block-aligned prints one)") from None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_xmod.spec",
-                                     description="Check a --spec MODULE NAME before launching Megatron-LM with it.")
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_xmod.spec", allow_abbrev=False,
+        description="Check a --spec MODULE NAME before launching Megatron-LM with it. Give the launch's whole "
+                    "argument list after MODULE NAME: --num-layers and the pipeline-split flags are checked, the "
+                    "rest is ignored (the last occurrence of a flag wins, as in megatron).")
     parser.add_argument("module")
     parser.add_argument("name")
     parser.add_argument("--num-layers", type=int, default=None, help="the launch's --num-layers, checked against the layout")
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                        help="with the two flags below, the launch's pipeline split: no stage may start inside a "
-                             "sparse block while the token-choice bias is on")
-    parser.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
-    parser.add_argument("--pipeline-model-parallel-layout", default=None)
-    args = parser.parse_args(argv)
+    for field in dataclasses.fields(PipelineSplit):
+        flag = "--" + field.name.replace("_", "-")
+        if field.type == "bool":
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=str if field.name.endswith("layout") else int, default=field.default)
+    args, _ = parser.parse_known_args(argv)
+    split = PipelineSplit(**{field.name: getattr(args, field.name) for field in dataclasses.fields(PipelineSplit)})
     try:
         params = resolve(args.module, args.name).params["xmod"]
         layout = params.parsed()
@@ -251,10 +298,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"megatron_xmod.spec: error: num_layers: {args.num_layers} does not match the --spec layout, which has "
               f"{layout.num_layers} physical layers; set --num-layers {layout.num_layers}", file=sys.stderr)
         return 2
-    if args.pipeline_model_parallel_size > 1 or args.pipeline_model_parallel_layout:
+    if split.pipelined:
         try:
-            starts = chunk_starts(layout.num_layers, args.pipeline_model_parallel_size,
-                                  args.num_virtual_stages_per_pipeline_rank, args.pipeline_model_parallel_layout)
+            starts = chunk_starts(layout.num_layers, split)
             for start in starts:
                 check_chunk_start(params, start)
         except ValueError as error:

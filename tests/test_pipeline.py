@@ -59,7 +59,7 @@ def test_min_max_split_with_forbidden_starts_is_exact():
         best = min(max(sum(costs[a:b]) for a, b in zip(cut, cut[1:]))
                    for cut in ((0, *c, len(costs)) for c in itertools.combinations(starts, chunks - 1)))
         assert max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])) == pytest.approx(best)
-    with pytest.raises(ValueError, match="chunks: 3 parts cannot all start at an allowed item"):
+    with pytest.raises(ValueError, match="pp/vpp: 3 stages cannot all start at an allowed item"):
         min_max_split([1.0] * 4, 3, [1, 2])
 
 

@@ -142,7 +142,7 @@ def same(a, b) -> bool:
 def test_resume_without_rng_state_is_bit_exact(reference, byte_data, tmp_path):
     """A --no-load-rng resume from iteration 3 trains bit for bit like the uninterrupted run.
 
-    What looked like a difference (last session: 5.5899 vs 5.5863 at the 2nd iteration after a
+    What looks like a difference (e.g. 5.5899 vs 5.5863 at the 2nd iteration after a
     resume, equal again by the 3rd) is megatron's console: training_log does not reset its loss sums
     at a run's first iteration (training.py ``should_reset = not is_first_iteration``), so with
     --log-interval 1 the 2nd line of every run prints the mean of that run's first two iterations.

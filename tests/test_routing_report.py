@@ -209,6 +209,23 @@ def test_periodic_validation_and_routing_report_on_an_entry_point_checkpoint(tmp
     assert all(row["selected_fraction"] == 0.25 for row in rows)
 
 
+@pytest.mark.slow
+def test_validation_continues_keeps_megatrons_protocol(tmp_path):
+    """--xmod-validation-continues leaves patch 16 out: at learning rate 0 the validations at
+    iterations 2 and 4 score different batches (megatron moves on), so their losses differ, where the
+    default run above gives equal ones."""
+    from entry_point_helpers import common_flags, torchrun, validation_losses, write_byte_data
+
+    data = write_byte_data(str(tmp_path / "bytes"))
+    result = torchrun(1, ["-m", "megatron_xmod.pretrain"],
+                      common_flags(data, 4, "--xmod-routing-family", "xmod", "--xmod-layout", "D + (S4*2 + D)*2",
+                                   "--num-layers", "7", "--lr", "0", "--min-lr", "0", "--eval-interval", "2",
+                                   "--eval-iters", "2", "--xmod-no-topk-validation", "--xmod-validation-continues"))
+    validation = validation_losses(result.stdout)
+    assert {2, 4} <= set(validation)
+    assert validation[2]["lm loss"] != validation[4]["lm loss"]
+
+
 def test_report_on_mod_has_one_layer_blocks(seeded, tmp_path):
     """MoD (S + D)*n: every block is one layer, so coverage is the selected fraction and there is no
     adjacent pair; the table and Figure 5 still come out."""

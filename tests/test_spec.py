@@ -165,6 +165,44 @@ def test_spec_check_cli_lets_import_errors_through(capsys):
     assert "not a megatron_xmod layout spec" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("split,starts", [
+    (dict(pipeline_model_parallel_size=2), [0, 4]),
+    (dict(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2), [0, 2, 4, 6]),
+    (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2), [0, 2, 4, 6]),
+    (dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=3), [0, 3]),
+    # embedding and loss count as one layer each: 10 units, 5 per stage, the first holds E + 4 layers
+    (dict(pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split=True,
+          account_for_loss_in_pipeline_split=True), [0, 4]),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et*2|t|t*2|t*3L"), [0, 2, 3, 5]),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="E|t*4|t*4|L"), [0, 4]),  # empty chunks
+])
+def test_chunk_starts_follow_megatrons_split(split, starts):
+    assert xmod_spec.chunk_starts(8, xmod_spec.PipelineSplit(**split)) == starts
+
+
+def test_spec_check_reads_the_launchs_pipeline_flags(capsys):
+    """Given a launch's whole argument list, the check finds a stage start inside a sparse block
+    (layout D + (S4*2 + D)*2 + D: blocks 2-3 and 5-6) before megatron would, wherever the split comes from."""
+    launch = ["spec_models", "tiny", "--spec", "spec_models", "tiny", "--num-layers", "8", "--lr", "3e-3", "--swiglu"]
+    assert xmod_spec.main([*launch, "--pipeline-model-parallel-size", "2"]) == 0
+    assert "pipeline chunks start at layers 1, 5: none inside a sparse block" in capsys.readouterr().out
+    for flags, layer in ((["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"], 3),
+                         (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "4"], 3),
+                         (["--pipeline-model-parallel-size", "1", "--pipeline-model-parallel-layout", "Et*5|t*3L"], 6)):
+        assert xmod_spec.main([*launch, *flags]) == 2
+        assert f"a pipeline stage starts at layer {layer}, inside the sparse block" in capsys.readouterr().err
+    # the last occurrence wins, as in megatron: a later block-aligned layout passes
+    assert xmod_spec.main([*launch, "--pipeline-model-parallel-layout", "Et*2|t*6L",
+                           "--pipeline-model-parallel-layout", "Et*3|t*5L"]) == 0
+    capsys.readouterr()
+    for flags, message in ((["--pipeline-model-parallel-size", "3"], "pipeline_model_parallel_size: megatron refuses"),
+                           (["--pipeline-model-parallel-layout", "Et*4|x*4L"], "unknown letter(s) 'x'"),
+                           (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et*2|t*2|t*4L"],
+                            "has 3 stages of 8 transformer layers")):
+        assert xmod_spec.main([*launch, *flags]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_spec_model_checkpoints_layer_by_layer(seeded):
     """Under megatron's plain config the spec turns on per-layer distributed checkpointing, as
     XModConfig does: the sparse layers' router has a key of its own, not a slice of a stacked tensor."""

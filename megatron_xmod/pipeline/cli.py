@@ -73,6 +73,6 @@ def run(args) -> int:
     for s in balanced.stages:
         print(f"{s.pp_rank:>4} {s.vp_stage:>3} {s.layers:>6}  {s.items:<10} {s.time_s * 1e3:>8.2f} {s.flops / 1e12:>8.2f} "
               f"{s.params / 1e6:>9.1f} {_gib(s.activation_bytes):>8} {s.in_flight:>9}")
-    print(f"slowest stage / mean: {balanced.max_over_mean:.3f} balanced, {default.max_over_mean:.3f} megatron's default "
-          f"split ({default.layout}); per rank {balanced.rank_max_over_mean:.3f} vs {default.rank_max_over_mean:.3f}")
+    print(f"slowest stage / mean: {balanced.max_over_mean:.3f} balanced, {default.max_over_mean:.3f} an even split by layer "
+          f"count, megatron's default where it divides ({default.layout}); per rank {balanced.rank_max_over_mean:.3f} vs {default.rank_max_over_mean:.3f}")
     return 0

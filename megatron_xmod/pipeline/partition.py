@@ -32,7 +32,7 @@ def min_max_split(costs: list[float], chunks: int, no_start: Sequence[int] = ())
     segment[list(no_start), :] = np.inf
     worst = _chunked_dp(segment, chunks, lambda best, seg: np.maximum(best[:, None], seg))[0]
     if not np.isfinite(worst):
-        raise ValueError(f"chunks: {chunks} parts cannot all start at an allowed item ({n - len(set(no_start))} of "
+        raise ValueError(f"pp/vpp: {chunks} stages cannot all start at an allowed item ({n - len(set(no_start))} of "
                          f"{n} allowed); use fewer stages")
     squares = np.where(segment <= worst * (1 + 1e-9), segment, np.inf) ** 2
     return _chunked_dp(squares, chunks, lambda best, seg: best[:, None] + seg)[1]
