@@ -23,8 +23,9 @@ module and then trains its default dense model: check a launch beforehand with :
 
 (imports the spec as megatron does but lets errors through, prints its layout, exits 2 when
 ``--num-layers`` disagrees or when a pipeline stage would start inside a sparse block; give it the
-launch's whole argument list after the name, the pipeline-split flags are read from it), and in the run, the ``[xmod] --spec built layers`` line each stage
-prints, or the parameter count against ``xmod count``.
+launch's whole argument list after the name, the pipeline-split flags are read from it), and in the
+run, the ``[xmod] --spec built layers`` line each stage prints, or the parameter count against
+``xmod count``.
 """
 from __future__ import annotations
 
@@ -160,15 +161,12 @@ def check_chunk_start(xmod: LayoutSpecParams, position: int) -> None:
     our entry point carries it across stages in the pipeline's activations (its GPT model chunks, see
     :mod:`megatron_xmod.pipeline.carry`), but the spec route only builds layers, and Megatron-LM's
     pipeline sends hidden states alone."""
-    layer = xmod.parsed().layers[position]
+    layers = xmod.parsed().layers
+    layer = layers[position]
     if not (layer.is_sparse and layer.index_in_block > 0 and xmod.family == "xmod" and xmod.token_choice_bias_tau > 0):
         return
-    layers = xmod.parsed().layers
-    first = last = position  # 0-based, the block's sparse layers
-    while first > 0 and layers[first - 1].is_sparse and layers[first - 1].block == layer.block:
-        first -= 1
-    while last + 1 < len(layers) and layers[last + 1].is_sparse and layers[last + 1].block == layer.block:
-        last += 1
+    first = position - layer.index_in_block  # 0-based, the block's first and last sparse layers
+    last = max(i for i, other in enumerate(layers) if other.is_sparse and other.block == layer.block)
     raise ValueError(
         f"pipeline_model_parallel_layout: a pipeline stage starts at layer {position + 1}, inside the sparse block "
         f"of layers {first + 1}-{last + 1}, and the --spec route cannot carry the token-choice bias across a stage "
