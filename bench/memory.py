@@ -7,10 +7,10 @@ Counted with ``torch.autograd.graph.saved_tensors_hooks`` during the forward pas
 tensor storage once, parameters excluded, the layer input included when the layer saves it. A routed
 layer is measured inside a chain (the second routed layer of ``S<K>*2``): its block's full-length
 router base is reported separately (once per block). Each figure is checked against the formulas of
-``megatron_xmod.memory_estimate`` (the ones ``xmod count --memory`` uses), and the routed layer
+``megatron_xmod.training.memory_estimate`` (the ones ``xmod count --memory`` uses), and the routed layer
 against the target ratio routed / dense <= 1.2 / K. "before" is the same layer with the plain
 ``nn.Linear`` router (one full-length router input saved per routed layer, the state before
-megatron_xmod.memory). fp32, micro-batch 1; every term is linear in L (SDPA's flash path on CPU keeps
+megatron_xmod.xmod.routing_state). fp32, micro-batch 1; every term is linear in L (SDPA's flash path on CPU keeps
 no L x L matrix), which the 165m rows at two lengths show.
 """
 from __future__ import annotations
@@ -61,8 +61,8 @@ def saved_bytes_per_layer(model, x, rope):
 
 
 def measure(backbone, layout, seq_len, family="xmod", plain_router=False):
-    from megatron_xmod.layers import XModSparseLayer
     from megatron_xmod.model import build_gpt_model, config_from_backbone
+    from megatron_xmod.xmod.layers import XModSparseLayer
 
     overrides = {} if layout.startswith("D") and "S" not in layout else dict(xmod_routing_family=family)
     config = config_from_backbone(backbone, layout, use_cpu_initialization=True, **overrides)
@@ -80,8 +80,8 @@ def measure(backbone, layout, seq_len, family="xmod", plain_router=False):
 
 
 def run(quick: bool):
-    from megatron_xmod.memory_estimate import block_base_bytes, dense_layer_bytes, routed_layer_bytes
     from megatron_xmod.presets import BACKBONES
+    from megatron_xmod.training.memory_estimate import block_base_bytes, dense_layer_bytes, routed_layer_bytes
 
     lengths = {"165m": [2048, 4096], "298m": [4096], "556m": [4096], "936m": [2048], "1.65b": [2048]}
     if quick:
@@ -136,7 +136,7 @@ def write(rows, blocks, out_dir):
              "fp32, micro-batch 1, counted with torch.autograd.graph.saved_tensors_hooks (distinct storages, no "
              "parameters, the layer input included). Routed layer: inside a chain (its block's full-length "
              "router base is held by the first routed layer of the block, last column). `before`: the same layer with the plain "
-             "nn.Linear router. Formula: megatron_xmod.memory_estimate (what `xmod count --memory` uses).", "",
+             "nn.Linear router. Formula: megatron_xmod.training.memory_estimate (what `xmod count --memory` uses).", "",
              "| backbone | L | dense MiB (formula) | K | routed MiB (formula) | routed/dense | target 1.2/K | before/dense | first routed layer of a block MiB |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

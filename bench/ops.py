@@ -20,7 +20,7 @@ are profiled separately.
     python bench/ops.py --paths torch         # only the torch path (no Triton needed)
 
 Paths: ``torch`` (routing step and permutation in plain torch), ``fused`` (the Triton routing step
-of megatron_xmod.kernels and the Triton permutation kernels).
+of megatron_xmod.xmod.kernels and the Triton permutation kernels).
 """
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def profile_layer(layer, hidden, rope, device, before=None, with_stack=True):
 def _set_path(path):
     import torch
 
-    from megatron_xmod import kernels, permute
+    from megatron_xmod.xmod import kernels, permute
 
     # The permutation ops validate index values on CPU tensors only (a host sync on GPU): off here,
     # so that the CPU counts are the ops a GPU run issues.

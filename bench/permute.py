@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from megatron_xmod.permute import dispatch, reference  # noqa: E402
+from megatron_xmod.xmod.permute import dispatch, reference  # noqa: E402
 
 OPS = ("gather.fwd", "gather.bwd", "scatter.fwd", "scatter.bwd")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -141,9 +141,9 @@ def bench_shape(backends, L, h, K, b, dtype, device, timer, copy_buffers):
 
 
 def bench_routing(L, K, b, device, timer, copy_buffers):
-    """The fused routing step (megatron_xmod.kernels) vs its torch path, forward, fp32 logits [L, b]:
+    """The fused routing step (megatron_xmod.xmod.kernels) vs its torch path, forward, fp32 logits [L, b]:
     is one program per sequence fast enough against torch.topk + sort + the elementwise ops?"""
-    from megatron_xmod.kernels import routing_step
+    from megatron_xmod.xmod.kernels import routing_step
 
     gen = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(L, b, generator=gen, device=device)
@@ -166,8 +166,8 @@ def bench_routing(L, K, b, device, timer, copy_buffers):
 def sanitize_case(device) -> int:
     """One small call of every kernel backend's primitives and of the fused routing step, checked
     against the torch reference: the workload compute-sanitizer inspects (bench/gpu_check.sh)."""
-    from megatron_xmod.kernels import routing_step
-    from megatron_xmod.kernels.routing_step import routing_step_torch
+    from megatron_xmod.xmod.kernels import routing_step
+    from megatron_xmod.xmod.kernels.routing_step import routing_step_torch
 
     failures = 0
     backends = [n for n in ("triton", "cuda") if dispatch._unavailable(n, device, torch.float32) is None]

@@ -188,8 +188,8 @@ def _sync(device):
 def time_model(backbone, name, seq_len, micro_batch, device, bf16, warmup, steps, eval_steps) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_xmod import kernels
-    from megatron_xmod.routing_state import eval_routing, report
+    from megatron_xmod.xmod import kernels
+    from megatron_xmod.xmod.routing_state import eval_routing, report
 
     model, optimizer, config = build_training(backbone, name, seq_len, device, bf16)
     data = batches(backbone, seq_len, micro_batch, device)
@@ -416,7 +416,7 @@ def main(argv=None) -> int:
 
 
 def write_results(out_dir, tag, device, backbone, settings, rows):
-    from megatron_xmod import permute
+    from megatron_xmod.xmod import permute
 
     summarize(rows)
     probe = torch.zeros(1, 1, 8, device=device, dtype=torch.bfloat16 if settings["dtype"] == "bf16" else torch.float32)

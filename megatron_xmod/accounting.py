@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import NamedTuple, Optional
 
-from megatron_xmod.layout import Layout, LayoutLayer, parse_layout
 from megatron_xmod.moe.presets import MoEModel
 from megatron_xmod.presets import Backbone, ModelDescription, parse_model
+from megatron_xmod.xmod.layout import Layout, LayoutLayer, parse_layout
 
 
 def attention_matmul_params(b: Backbone) -> int:

@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 
-from megatron_xmod.block import get_xmod_decoder_block_spec
-from megatron_xmod.config import XModConfig
-from megatron_xmod.layers import XModSparseLayer
 from megatron_xmod.presets import Backbone, parse_model
-from megatron_xmod.routing_state import attach_routing_state
+from megatron_xmod.xmod.block import get_xmod_decoder_block_spec
+from megatron_xmod.xmod.config import XModConfig
+from megatron_xmod.xmod.layers import XModSparseLayer
+from megatron_xmod.xmod.routing_state import attach_routing_state
 
 
 def config_from_backbone(backbone: Backbone, model: str = "dense", dense_prefix: int = 4, **overrides) -> XModConfig:
@@ -62,7 +62,7 @@ def build_gpt_model(
 ) -> GPTModel:
     """Untied embeddings and RoPE, as in every model of the paper. ``transformer_layer_spec``
     defaults to the X-MoD decoder block of ``config``'s layout. The built model carries its
-    :class:`~megatron_xmod.routing_state.RoutingState` as ``model.routing_state``."""
+    :class:`~megatron_xmod.xmod.routing_state.RoutingState` as ``model.routing_state``."""
     if transformer_layer_spec is None:
         transformer_layer_spec = get_xmod_decoder_block_spec(config, use_transformer_engine, vp_stage=vp_stage)
     model = GPTModel(

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
-from megatron_xmod.layout import Layout, layout_from_model_name, parse_layout
 from megatron_xmod.moe.presets import MoEModel, is_moe_model_name, parse_moe_model
+from megatron_xmod.xmod.layout import Layout, layout_from_model_name, parse_layout
 
 GPT2_VOCAB_SIZE = 50257
 

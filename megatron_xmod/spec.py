@@ -5,7 +5,7 @@ Megatron-LM's ``pretrain_gpt.py`` (``gpt_builders.gpt_builder``) imports the obj
 ``TransformerConfig``; megatron's ``GPTModelBuilder`` does the same with a ``ModuleSpec``. A layer
 ``ModuleSpec`` is built once per layer of the local pipeline stage, so each spec here is one
 :class:`LayoutLayer` spec that builds, at every position of its layout, the layer the layout puts
-there (megatron's own ``TransformerLayer`` or an :class:`~megatron_xmod.layers.XModSparseLayer`).
+there (megatron's own ``TransformerLayer`` or an :class:`~megatron_xmod.xmod.layers.XModSparseLayer`).
 Pipeline stages therefore each build their own layers, with the routing settings carried in the
 spec's params.
 
@@ -40,9 +40,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
-from megatron_xmod.layout import NAMED_LAYOUTS, Layout, parse_layout
-from megatron_xmod.routing import SparseLayerRouting
-from megatron_xmod.routing_state import RoutingState
+from megatron_xmod.xmod.layout import NAMED_LAYOUTS, Layout, parse_layout
+from megatron_xmod.xmod.routing import SparseLayerRouting
+from megatron_xmod.xmod.routing_state import RoutingState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +95,7 @@ class LayoutSubmodules:
 
 
 def _layer_submodules(config, submodules):
-    from megatron_xmod.block import get_layer_submodules, resolve_use_transformer_engine
+    from megatron_xmod.xmod.block import get_layer_submodules, resolve_use_transformer_engine
 
     if submodules is not None and not isinstance(submodules, LayoutSubmodules):
         return submodules
@@ -122,7 +122,7 @@ class LayoutLayer(TransformerLayer):
     _chunk_state: Optional[RoutingState] = None
 
     def __new__(cls, config, submodules=None, layer_number: int = 1, *, xmod: LayoutSpecParams, **kwargs):
-        from megatron_xmod.layers import XModSparseLayer
+        from megatron_xmod.xmod.layers import XModSparseLayer
 
         layout = xmod.parsed()
         if config.num_layers != layout.num_layers:

@@ -64,7 +64,7 @@ def main() -> None:
         _kill_during_save(int(value))
     else:
         raise SystemExit(f"fault: unknown {fault!r}")
-    from megatron_xmod import pretrain
+    from megatron_xmod.training import pretrain
 
     sys.argv = [sys.argv[0]] + argv
     pretrain.main(argv)

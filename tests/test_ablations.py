@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import TINY, tiny_model
 
-from megatron_xmod.layout import (
+from megatron_xmod.xmod.layout import (
     ABLATIONS,
     LayoutError,
     ablation_settings,
@@ -14,7 +14,7 @@ from megatron_xmod.layout import (
     split_ablations,
     without_anchors,
 )
-from megatron_xmod.routing import SparseLayerRouting, tau_at
+from megatron_xmod.xmod.routing import SparseLayerRouting, tau_at
 
 
 def test_ablation_names_give_the_ablated_layouts():
@@ -115,7 +115,7 @@ def test_layer_routes_with_the_warmed_up_tau(seeded):
     """With the routing state at iteration 0 of a warm-up the second layer routes as with tau = 0;
     outside training (iteration None) as with the full tau."""
     from megatron_xmod.diagnostics.routing_report import record_routing
-    from megatron_xmod.routing_state import eval_routing
+    from megatron_xmod.xmod.routing_state import eval_routing
 
     def selections(model, iteration):
         model.routing_state.iteration = iteration

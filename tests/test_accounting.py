@@ -7,8 +7,8 @@ import pytest
 from helpers import TINY, tiny_model
 
 from megatron_xmod.accounting import count_model
-from megatron_xmod.layout import layout_from_model_name, parse_layout
 from megatron_xmod.presets import BACKBONES
+from megatron_xmod.xmod.layout import layout_from_model_name, parse_layout
 
 # (backbone, model, printed N, printed FLOPs/token) from Table 6; N in the printed unit and precision.
 TABLE6 = [

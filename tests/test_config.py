@@ -1,7 +1,7 @@
 """Invalid X-MoD configurations are rejected with a message that names the field."""
 import pytest
 
-from megatron_xmod.config import XModConfig
+from megatron_xmod.xmod.config import XModConfig
 
 BASE = dict(num_layers=10, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
             ffn_hidden_size=128, normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,

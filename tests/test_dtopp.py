@@ -8,7 +8,7 @@ import torch
 
 from megatron_xmod.moe.config import MoEConfig
 from megatron_xmod.moe.router import THRESHOLD_EPS, DTopPRouter, top_p_routing, update_dtopp_controllers
-from megatron_xmod.routing_state import attach_routing_state, report
+from megatron_xmod.xmod.routing_state import attach_routing_state, report
 
 pytestmark = pytest.mark.usefixtures("fresh_moe_tracker")
 

@@ -17,11 +17,11 @@ import torch
 from megatron_xmod.accounting import count, count_model
 from megatron_xmod.cli import main as xmod
 from megatron_xmod.demo import DEMO_BACKBONE, MODELS
-from megatron_xmod.layout import parse_layout
 from megatron_xmod.presets import BACKBONES, backbone_from_dict, backbone_to_dict, parse_model, resolve_backbone
-from megatron_xmod.routing import jaccard_tensor
 from megatron_xmod.scaling.law import TABLE8, predict_delta
 from megatron_xmod.training.log import layer_map, mean_reference, random_reference
+from megatron_xmod.xmod.layout import parse_layout
+from megatron_xmod.xmod.routing import jaccard_tensor
 
 DEMO_XMOD = MODELS["xmod"][1]  # "D*2 + (S4*4 + D)*2"
 
@@ -38,7 +38,7 @@ def demo_backbone_file(tmp_path):
 def test_help_lists_our_flags_with_defaults_despite_megatrons_broken_help_string():
     from megatron.training.arguments import add_megatron_arguments
 
-    from megatron_xmod.pretrain import build_parser
+    from megatron_xmod.training.pretrain import build_parser
 
     plain = add_megatron_arguments(argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     with pytest.raises((ValueError, TypeError, KeyError)):  # megatron 0.19's own help string breaks argparse
@@ -63,7 +63,7 @@ def test_help_exits_0_from_the_command_line():
 
 
 def test_one_process_defaults_only_without_a_launcher():
-    from megatron_xmod.pretrain import single_process_defaults
+    from megatron_xmod.training.pretrain import single_process_defaults
 
     env: dict = {"PATH": "/usr/bin"}
     assert single_process_defaults(env)
@@ -287,7 +287,7 @@ def test_validation_statistics_describe_the_evaluation_rule_only(seeded):
     eval_* statistics are those of the threshold pass alone."""
     from helpers import tiny_model
 
-    from megatron_xmod.routing_state import eval_routing, per_layer, routing_states, statistics_paused
+    from megatron_xmod.xmod.routing_state import eval_routing, per_layer, routing_states, statistics_paused
 
     model, _ = tiny_model("D + (S4*2 + D)")
     model.eval()

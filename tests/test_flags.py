@@ -1,8 +1,8 @@
 """The entry point's flag expansion: presets become megatron's own flags, read by one scanner."""
 import pytest
 
-from megatron_xmod.layout import LayoutError
 from megatron_xmod.training.flags import expand_arguments, scan_argv
+from megatron_xmod.xmod.layout import LayoutError
 
 
 def _value(argv, flag):
@@ -30,9 +30,9 @@ def test_backbone_file_and_cpu_flags_expand(tmp_path):
     import json
 
     from megatron_xmod.demo import DEMO_BACKBONE
-    from megatron_xmod.layout import parse_layout
     from megatron_xmod.presets import backbone_flags, backbone_to_dict
     from megatron_xmod.training.flags import CPU_FLAGS
+    from megatron_xmod.xmod.layout import parse_layout
 
     path = tmp_path / "demo.json"
     path.write_text(json.dumps(backbone_to_dict(DEMO_BACKBONE)))

@@ -23,7 +23,7 @@ from megatron_xmod.hf.state_dict_adapter import (
     hf_to_megatron,
     megatron_to_hf,
 )
-from megatron_xmod.routing_state import set_eval_routing
+from megatron_xmod.xmod.routing_state import set_eval_routing
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Fused routing step (megatron_xmod.kernels) vs the torch reference built from routing.py.
+"""Fused routing step (megatron_xmod.xmod.kernels) vs the torch reference built from routing.py.
 
 The Triton kernels run on CPU only under TRITON_INTERPRET=1, which must be set before they are
 defined: test_triton_routing_interpreter re-runs this file's ``triton_interp`` tests in a subprocess
@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from megatron_xmod import kernels
-from megatron_xmod.kernels import routing_step
-from megatron_xmod.kernels.routing_step import routing_step_torch
+from megatron_xmod.xmod import kernels
+from megatron_xmod.xmod.kernels import routing_step
+from megatron_xmod.xmod.kernels.routing_step import routing_step_torch
 
 INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_GPU = torch.cuda.is_available()
@@ -149,8 +149,8 @@ def test_cpu_auto_uses_torch_and_forced_triton_falls_back_with_reason(monkeypatc
     ref = routing_step_torch(logits, 8, "topk", bias, 0.5, 1.0)
     out = routing_step(logits, 8, "topk", bias, 0.5)
     assert torch.equal(out.decision.topk_indices, ref.decision.topk_indices) and torch.equal(out.gate, ref.gate)
-    monkeypatch.setattr(sys.modules["megatron_xmod.kernels.routing_step"], "_logged", set())
-    with caplog.at_level(logging.WARNING, logger="megatron_xmod.kernels"):
+    monkeypatch.setattr(sys.modules["megatron_xmod.xmod.kernels.routing_step"], "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="megatron_xmod.xmod.kernels"):
         routing_step(logits, 8, "topk", bias, 0.5, backend="triton")
     assert kernels.launch_counts["torch"] == before.get("torch", 0) + 2
     assert kernels.launch_counts["triton"] == before.get("triton", 0)

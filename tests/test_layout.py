@@ -2,7 +2,7 @@
 paper, "X-MoD: Practical Scaling Laws for Sparse-Depth Routing Beyond Mixture-of-Depths"."""
 import pytest
 
-from megatron_xmod.layout import LayoutError, layout_from_model_name, parse_layout, resolve_layout
+from megatron_xmod.xmod.layout import LayoutError, layout_from_model_name, parse_layout, resolve_layout
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Routed layers save their full-length router input once per block (megatron_xmod.memory), with the
+"""Routed layers save their full-length router input once per block (megatron_xmod.xmod.routing_state), with the
 gradients of today's ``nn.Linear`` router bit for bit; the memory estimate's per-layer activation
 formulas against the bytes autograd actually saves."""
 import pytest
@@ -6,15 +6,15 @@ import torch
 from helpers import tiny_model
 
 from bench.memory import saved_bytes_per_layer
-from megatron_xmod.layers import XModSparseLayer
 from megatron_xmod.model import sparse_layers
+from megatron_xmod.xmod.layers import XModSparseLayer
 
 SEQ = 32
 LAYOUT = "D + (S4*3 + D)*2"
 
 
 def _plain_router(self, hidden_states):
-    """Today's router (before megatron_xmod.memory): nn.Linear on the full input, which autograd saves."""
+    """Today's router (before megatron_xmod.xmod.routing_state): nn.Linear on the full input, which autograd saves."""
     return self.router(hidden_states).squeeze(-1).float(), None
 
 
@@ -110,7 +110,7 @@ def _measure_layers(layout, family="xmod", seq=64):
 @pytest.mark.parametrize("family", ["xmod", "mod"])
 def test_activation_formulas_match_saved_bytes(seeded, family):
     """What ``xmod count --memory`` assumes per layer, against what autograd saves (within 10%)."""
-    from megatron_xmod.memory_estimate import block_base_bytes, dense_layer_bytes, routed_layer_bytes
+    from megatron_xmod.training.memory_estimate import block_base_bytes, dense_layer_bytes, routed_layer_bytes
 
     backbone, (dense,) = _measure_layers("D")
     assert dense == pytest.approx(dense_layer_bytes(backbone, 64), rel=0.1)
@@ -124,8 +124,8 @@ def test_activation_formulas_match_saved_bytes(seeded, family):
 def test_count_memory_prints_parts_and_refuses_above_the_gpu_memory(capsys):
     import argparse
 
-    from megatron_xmod.memory_estimate import Parallel, add_memory_arguments, estimate, print_memory
     from megatron_xmod.presets import get_backbone, parse_model
+    from megatron_xmod.training.memory_estimate import Parallel, add_memory_arguments, estimate, print_memory
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--dense-prefix", type=int, default=4)

@@ -5,10 +5,10 @@ import pytest
 import torch
 from helpers import english_bytes, tiny_model
 
-import megatron_xmod.layers as layers_module
+import megatron_xmod.xmod.layers as layers_module
 from megatron_xmod.model import sparse_layers
-from megatron_xmod.routing_state import report as routing_report
-from megatron_xmod.routing_state import set_eval_routing
+from megatron_xmod.xmod.routing_state import report as routing_report
+from megatron_xmod.xmod.routing_state import set_eval_routing
 
 SEQ = 64
 
@@ -168,8 +168,8 @@ def test_xmod_gpt_trains_through_megatron_schedule(seeded):
 def test_block_spec_slices_pipeline_stages_like_megatron(seeded):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from megatron_xmod.block import get_xmod_decoder_block_spec
-    from megatron_xmod.layers import XModSparseLayer
+    from megatron_xmod.xmod.block import get_xmod_decoder_block_spec
+    from megatron_xmod.xmod.layers import XModSparseLayer
 
     _, config = tiny_model("D + (S4*4 + D) + D*2", xmod_token_choice_bias_tau=0.0)
     config = dataclasses.replace(config, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)

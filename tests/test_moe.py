@@ -190,7 +190,7 @@ def test_megatron_schedule_updates_the_controller_once_per_global_batch(seeded):
 
     from megatron_xmod.moe.model import build_moe_gpt_model, moe_config_from_backbone
     from megatron_xmod.moe.router import dtopp_routers
-    from megatron_xmod.routing_state import report
+    from megatron_xmod.xmod.routing_state import report
 
     config = moe_config_from_backbone(TINY, "dtopp-t2-e8", use_cpu_initialization=True)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(),
@@ -311,9 +311,9 @@ def _entry_point_config(flags, monkeypatch):
     config from args, then the MoE fields (as megatron_xmod.training.providers.config_from_args)."""
     from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
 
-    from megatron_xmod.config import XModConfig
     from megatron_xmod.moe.args import add_moe_arguments, apply_moe_arguments, expand_moe_arguments
     from megatron_xmod.moe.config import MoEConfig
+    from megatron_xmod.xmod.config import XModConfig
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1"]

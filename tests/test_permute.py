@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import megatron_xmod
-from megatron_xmod import permute
-from megatron_xmod.permute import dispatch, reference
+from megatron_xmod.xmod import permute
+from megatron_xmod.xmod.permute import dispatch, reference
 
 INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_GPU = torch.cuda.is_available()
@@ -195,7 +195,7 @@ def test_triton_interp_partial_grads(need):
 @needs_interp
 def test_triton_interp_chunked_rows(monkeypatch):
     # Rows wider than one program block take the multi-chunk loop (h > 4096 on real shapes).
-    from megatron_xmod.permute import triton_ops
+    from megatron_xmod.xmod.permute import triton_ops
 
     monkeypatch.setattr(triton_ops, "_MAX_BLOCK_H", 16)
     inputs = make_inputs((6, 2, 37, 4), torch.bfloat16, seed=5)
@@ -205,7 +205,7 @@ def test_triton_interp_chunked_rows(monkeypatch):
 @needs_interp
 def test_triton_interp_is_selected_when_forced(caplog):
     x, _, _, idx, _, _ = make_inputs((4, 1, 2, 2), torch.float32)
-    with caplog.at_level(logging.INFO, logger="megatron_xmod.permute"):
+    with caplog.at_level(logging.INFO, logger="megatron_xmod.xmod.permute"):
         assert permute.selected_backend(x, "triton") == "triton"
         assert permute.selected_backend(x) == "torch"  # auto never interprets on CPU
 
@@ -243,7 +243,7 @@ def test_cuda_extension_was_built():
 
 
 def test_cuda_extension_imports_and_fails_clearly_without_gpu():
-    from megatron_xmod.permute import cuda_ops
+    from megatron_xmod.xmod.permute import cuda_ops
 
     if not _built_ext():
         pytest.skip("extension not built (no CUDA toolkit at install time)")
@@ -342,11 +342,11 @@ def fresh_dispatch(monkeypatch):
 
 def test_cpu_dispatch_uses_torch_and_logs_once(fresh_dispatch, caplog):
     x, y, gate, idx, _, _ = make_inputs((6, 2, 4, 3), torch.float32)
-    with caplog.at_level(logging.INFO, logger="megatron_xmod.permute"):
+    with caplog.at_level(logging.INFO, logger="megatron_xmod.xmod.permute"):
         for _ in range(3):
             out = permute.gather_tokens(x, idx)
     assert torch.equal(out, reference.gather_tokens(x, idx))
-    lines = [r.getMessage() for r in caplog.records if r.name == "megatron_xmod.permute"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "megatron_xmod.xmod.permute"]
     assert lines == ["gather_tokens: using the torch backend on cpu"]
 
 
@@ -360,7 +360,7 @@ def test_forced_cuda_on_cpu_falls_back_with_reason(fresh_dispatch, monkeypatch, 
         monkeypatch.setenv(dispatch.ENV_BACKEND, "CUDA")
     else:
         permute.set_backend("cuda")
-    with caplog.at_level(logging.INFO, logger="megatron_xmod.permute"):
+    with caplog.at_level(logging.INFO, logger="megatron_xmod.xmod.permute"):
         out = permute.scatter_gated(x, y, gate, idx, **kw)
     assert torch.equal(out, reference.scatter_gated(x, y, gate, idx))
     warn = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -379,7 +379,7 @@ def test_unknown_backend_name_is_an_error(fresh_dispatch, monkeypatch):
 
 def test_fp64_on_fast_backend_falls_back_to_torch(fresh_dispatch, caplog):
     x, _, _, idx, _, _ = make_inputs((4, 1, 2, 2), torch.float64)
-    with caplog.at_level(logging.WARNING, logger="megatron_xmod.permute"):
+    with caplog.at_level(logging.WARNING, logger="megatron_xmod.xmod.permute"):
         assert permute.selected_backend(x, "triton") == "torch"
     assert "float64" in caplog.records[-1].getMessage()
 

@@ -171,7 +171,7 @@ def test_bad_input_is_refused(capsys):
 
 
 def test_pipeline_balance_auto_adds_the_layout():
-    from megatron_xmod.pipeline.cli import plan
+    from megatron_xmod.cli.partition import plan
     from megatron_xmod.training.flags import expand_arguments
 
     base = ["--xmod-backbone", "936m", "--xmod-model", "xmod-a4k8", "--seq-length", "32768"]
@@ -205,7 +205,7 @@ def test_dropping_the_bias_at_a_boundary_changes_the_model(seeded, monkeypatch):
     import torch
     from helpers import tiny_model
 
-    from megatron_xmod.routing_state import RoutingState
+    from megatron_xmod.xmod.routing_state import RoutingState
 
     model, _ = tiny_model("D + (S4*2 + D)*2 + D", xmod_token_choice_bias_tau=0.5)
     model.train()

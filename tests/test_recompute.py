@@ -1,13 +1,13 @@
 """megatron's full activation recompute (uniform and block) with the token-choice bias on: the replay
-of a checkpointed chunk routes exactly as the first pass did (megatron_xmod.memory.RecomputeReplay), so
+of a checkpointed chunk routes exactly as the first pass did (megatron_xmod.xmod.routing_state.RecomputeReplay), so
 losses and gradients equal those without recompute."""
 import pytest
 import torch
 from helpers import tiny_model
 
-from megatron_xmod.layers import XModSparseLayer
 from megatron_xmod.model import sparse_layers
-from megatron_xmod.routing_state import report
+from megatron_xmod.xmod.layers import XModSparseLayer
+from megatron_xmod.xmod.routing_state import report
 
 SEQ = 32
 LAYOUT = "D + (S4*3 + D)*2"

@@ -348,8 +348,8 @@ def test_sparse_layer_counts_nonfinite_logits(seeded, rule):
     """Before the fix, threshold routing on NaN logits routed no token: the layer was skipped silently."""
     from helpers import tiny_model
 
-    from megatron_xmod.routing_state import eval_routing, report
     from megatron_xmod.training.step import nonfinite_since, nonfinite_totals
+    from megatron_xmod.xmod.routing_state import eval_routing, report
 
     model, _ = tiny_model("D + S4*2 + D")
     layer = next(m for m in model.modules() if getattr(m, "layer_number", None) == 2 and hasattr(m, "router"))
@@ -373,7 +373,7 @@ def test_sparse_layer_counts_nonfinite_logits(seeded, rule):
 def test_dtopp_router_counts_nonfinite_logits(seeded):
     from test_dtopp import make_config, make_routers
 
-    from megatron_xmod.routing_state import report
+    from megatron_xmod.xmod.routing_state import report
 
     routers = make_routers(make_config(), layers=2)
     x = torch.randn(8, 2, 32)

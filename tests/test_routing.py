@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_xmod.routing import (
+from megatron_xmod.xmod.routing import (
     jaccard_tensor,
     padded_selection,
     route,

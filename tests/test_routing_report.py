@@ -121,7 +121,7 @@ def test_recorded_threshold_selection_is_the_layer_rule_applied_to_its_input(xmo
     be sigmoid(router(x)) >= 1/2 of the layer's own input x, captured independently by a hook."""
     from megatron_xmod.diagnostics.routing_report import record_routing
     from megatron_xmod.model import sparse_layers
-    from megatron_xmod.routing_state import eval_routing
+    from megatron_xmod.xmod.routing_state import eval_routing
 
     model, tokens = xmod_model
     first = sparse_layers(model)[0]

@@ -7,10 +7,10 @@ from helpers import TINY, tiny_model
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_xmod.block import get_xmod_decoder_block_spec
 from megatron_xmod.model import build_gpt_model, sparse_layers
-from megatron_xmod.routing import SparseLayerRouting
-from megatron_xmod.routing_state import attach_routing_state, report, routing_states, set_eval_routing
+from megatron_xmod.xmod.block import get_xmod_decoder_block_spec
+from megatron_xmod.xmod.routing import SparseLayerRouting
+from megatron_xmod.xmod.routing_state import attach_routing_state, report, routing_states, set_eval_routing
 
 SEQ = 32
 

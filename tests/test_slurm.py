@@ -54,7 +54,7 @@ def _write_corpus(prefix: Path, num_documents: int) -> str:
 
 # ----------------------------------------------------------------------------- fast: split arithmetic
 def test_split_ranges_follow_megatron_arithmetic():
-    from megatron_xmod.training.preflight import split_document_ranges, working_split
+    from megatron_xmod.data.splits import split_document_ranges, working_split
 
     assert split_document_ranges("99,1,0", 10) == [(0, 10), (10, 10), None]  # validation empty
     assert split_document_ranges("99,1,0", 1000) == [(0, 990), (990, 1000), None]

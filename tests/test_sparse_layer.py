@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_xmod.block import get_layer_submodules
-from megatron_xmod.config import XModConfig
-from megatron_xmod.layers import XModSparseLayer
-from megatron_xmod.routing_state import RoutingState
+from megatron_xmod.xmod.block import get_layer_submodules
+from megatron_xmod.xmod.config import XModConfig
+from megatron_xmod.xmod.layers import XModSparseLayer
+from megatron_xmod.xmod.routing_state import RoutingState
 
 HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, BASE = 32, 4, 2, 8, 64, 10000.0
 

@@ -10,9 +10,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_xmod import spec as xmod_spec
 from megatron_xmod.accounting import count_model
-from megatron_xmod.layers import XModSparseLayer
 from megatron_xmod.model import sparse_layers
-from megatron_xmod.routing_state import routing_states
+from megatron_xmod.xmod.layers import XModSparseLayer
+from megatron_xmod.xmod.routing_state import routing_states
 
 SEQ = 32
 

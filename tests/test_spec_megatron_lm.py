@@ -26,7 +26,7 @@ from run_megatron_lm import MEGATRON_LM_DIR
 from spec_models import LAYOUT
 
 from megatron_xmod.accounting import count_model
-from megatron_xmod.layout import parse_layout
+from megatron_xmod.xmod.layout import parse_layout
 
 pytestmark = [
     pytest.mark.slow,

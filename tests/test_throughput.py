@@ -46,7 +46,7 @@ def test_tiny_run_reports_consistent_numbers(megatron_parallel, tmp_path):
     sparse = parse_model("xmod-a4k8", backbone).layout.num_sparse_layers
     assert xmod["selected_fraction"] == pytest.approx(1 / 8)  # top-k routes exactly L/K
     # Every sparse layer's routing step of every forward pass (training and top-k evaluation) went
-    # through megatron_xmod.kernels: 2 training passes (warm-up + timed), 2 evaluation passes.
+    # through megatron_xmod.xmod.kernels: 2 training passes (warm-up + timed), 2 evaluation passes.
     assert sum(xmod["routing_step_calls"].values()) == sparse * 4
     text = (tmp_path / "throughput_t.md").read_text()
     assert "| xmod-a4k8 | 37 |" in text and "FLOP-ideal" in text

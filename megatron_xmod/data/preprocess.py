@@ -162,7 +162,7 @@ def train_tokenizer_on(files, vocab_size: int, model_path: Path, jsonl_key: str 
 def pretrain_flags(result: dict) -> list[str]:
     """The entry point's data and tokenizer flags that read what :func:`preprocess` wrote."""
     from megatron_xmod.data.tokenizers import megatron_tokenizer_args
-    from megatron_xmod.training.preflight import working_split
+    from megatron_xmod.data.splits import working_split
 
     split = working_split("98,1,1", result["documents"])
     data = ["--data-path", result["prefix"]]
@@ -233,38 +233,3 @@ def preprocess(inputs, output_prefix, tokenizer: str = "gpt2", tokenizer_model=N
     return {"prefix": str(prefix), "bin": f"{prefix}.bin", "idx": f"{prefix}.idx", "documents": documents,
             "tokens": tokens, "tokenizer": tokenizer, "vocab_size": tok.vocab_size, "eod": tok.eod,
             "files": len(files), "tokenizer_model": None if tokenizer_model is None else str(tokenizer_model)}
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("preprocess", help="text/JSONL -> Megatron indexed dataset (.bin/.idx)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR",
-                   help="text files, .jsonl files, or directories of them")
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    p.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="gpt2")
-    p.add_argument("--tokenizer-model", default=None,
-                   help="SentencePiece .model file (required for sentencepiece); for gpt2 an optional "
-                        "gpt2.tiktoken file, which must still match the GPT-2 sha256")
-    p.add_argument("--train-tokenizer", type=int, default=None, metavar="VOCAB_SIZE",
-                   help="with --tokenizer sentencepiece: first train a SentencePiece model of this many pieces on "
-                        "the inputs, written to --tokenizer-model (default OUTPUT_PREFIX_sentencepiece.model)")
-    p.add_argument("--jsonl-key", default="text", help="field holding the document text in .jsonl lines")
-    p.add_argument("--split-blank-lines", action="store_true",
-                   help="in plain-text files, every blank-line-separated block is a document")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    result = preprocess(args.input, args.output_prefix, tokenizer=args.tokenizer,
-                        tokenizer_model=args.tokenizer_model, jsonl_key=args.jsonl_key, workers=args.workers,
-                        split_blank_lines=args.split_blank_lines, progress=not args.quiet,
-                        train_tokenizer=args.train_tokenizer)
-    if args.train_tokenizer is not None:
-        print(f"trained {result['tokenizer_model']} ({result['vocab_size']} pieces)")
-    print(f"wrote {result['bin']} and {result['idx']}: {result['documents']} documents, "
-          f"{result['tokens']} tokens ({result['tokenizer']}, vocab {result['vocab_size']}, eod {result['eod']})")
-    print("pretrain flags for this dataset (python -m megatron_xmod.pretrain ...):")
-    print("  " + " ".join(shlex.quote(flag) for flag in pretrain_flags(result)))
-    return 0

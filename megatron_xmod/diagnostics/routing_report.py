@@ -1,7 +1,7 @@
 """The routing report of a built model on held-out sequences (the X-MoD paper's Table 10 and Figure 5).
 
 :func:`routing_report` runs the model in eval mode, collects every sparse layer's selections through
-the model's own :class:`~megatron_xmod.routing_state.RoutingState` (an observer, :class:`SelectionRecorder`;
+the model's own :class:`~megatron_xmod.xmod.routing_state.RoutingState` (an observer, :class:`SelectionRecorder`;
 no globals), and reduces them with the pure functions of :mod:`megatron_xmod.diagnostics.routing_stats`:
 
 - a forward under ``rule`` (threshold by default, the deployable rule) gives the per-layer selected
@@ -12,14 +12,17 @@ no globals), and reduces them with the pure functions of :mod:`megatron_xmod.dia
 from __future__ import annotations
 
 import contextlib
+import json
 from collections import defaultdict
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from megatron_xmod.diagnostics.routing_stats import MaskAgreement, block_stats, masks_at_scores, references
-from megatron_xmod.routing_state import eval_routing, routing_states
+from megatron_xmod.xmod.routing_state import eval_routing, routing_states
 
 
 class SelectionRecorder:
@@ -251,3 +254,89 @@ def plot_selected_fraction(report: dict, path, title: Optional[str] = None):
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# --- a checkpoint's report (xmod routing-report) ------------------------------------------------
+def check_arguments(args) -> None:
+    """Every input problem before anything is loaded: ``field: why; fix``."""
+    if args.num_sequences < 1:
+        raise ValueError(f"num_sequences: must be >= 1, got {args.num_sequences}")
+    if args.micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size: must be >= 1, got {args.micro_batch_size}")
+    if not Path(args.load).is_dir():
+        raise ValueError(f"load: {args.load} is not a folder; give the --save folder of a training run")
+    missing = [suffix for suffix in (".bin", ".idx") if not Path(args.data + suffix).is_file()]
+    if missing:
+        raise ValueError(f"data: {args.data}{missing[0]} not found; give a megatron dataset prefix (without .bin/.idx), "
+                         "e.g. the --valid-data-path of the run")
+
+
+def read_sequences(prefix: str, num_sequences: int, seq_length: int, vocab_size: int) -> torch.Tensor:
+    """The first ``num_sequences`` windows of ``seq_length + 1`` tokens of the dataset, documents
+    concatenated in order (inputs and next-token labels)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    needed = num_sequences * (seq_length + 1)
+    pieces, have = [], 0
+    for i in range(len(dataset)):
+        piece = np.asarray(dataset[i], dtype=np.int64)
+        pieces.append(piece[: needed - have])
+        have += len(pieces[-1])
+        if have >= needed:
+            break
+    if have < needed:
+        raise ValueError(f"num_sequences: {prefix} holds {have} tokens, enough for {have // (seq_length + 1)} "
+                         f"sequences of {seq_length + 1}; ask for fewer")
+    tokens = torch.from_numpy(np.concatenate(pieces)).view(num_sequences, seq_length + 1)
+    if int(tokens.max()) >= vocab_size:
+        raise ValueError(f"data: token id {int(tokens.max())} >= the model's vocabulary ({vocab_size}); "
+                         "is it the dataset of this run's tokenizer?")
+    return tokens
+
+
+def load_model(load_dir: str, iteration=None):
+    """(model, megatron args, iteration) of a checkpoint; call inside ``single_process_megatron()``."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_xmod.hf.checkpoint_io import build_model, checkpoint_path, model_sharded_state_dict, read_common
+
+    path, iteration = checkpoint_path(load_dir, iteration)
+    common = read_common(path)
+    args = common["args"]
+    if getattr(args, "xmod_routing_family", "dense") == "dense":
+        raise ValueError(f"load: {path} holds a dense model (no routed layers); routing-report needs MoD or X-MoD")
+    model = build_model(args)
+    loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model, common.get("content_metadata"))}, str(path))
+    model.load_state_dict(loaded["model"], strict=True)
+    return model.eval(), args, int(common.get("iteration", iteration))
+
+
+def run(args) -> int:
+    from megatron_xmod.diagnostics.routing_report import (
+        format_table,
+        plot_selected_fraction,
+        plot_update_counts,
+        routing_report,
+    )
+    from megatron_xmod.hf.checkpoint_io import single_process_megatron
+
+    check_arguments(args)
+    output = Path(args.output) if args.output else Path(args.load).resolve().parent / "routing_report"
+    with single_process_megatron():
+        model, megatron_args, iteration = load_model(args.load, args.iteration)
+        sequences = read_sequences(args.data, args.num_sequences, megatron_args.seq_length,
+                                   megatron_args.padded_vocab_size)
+        report = routing_report(model, sequences, args.rule, args.micro_batch_size)
+    report.update(checkpoint=str(Path(args.load).resolve()), iteration=iteration, data=args.data,
+                  layout=megatron_args.xmod_layout)
+    output.mkdir(parents=True, exist_ok=True)
+    table = format_table(report)
+    (output / "routing_report.txt").write_text(table + "\n")
+    (output / "routing_report.json").write_text(json.dumps(report, indent=1))
+    title = f"{megatron_args.xmod_layout} ({report['family']}), iteration {iteration}"
+    plot_update_counts(report, output / "update_counts.png", title=f"update counts per block: {title}")
+    plot_selected_fraction(report, output / "selected_fraction.png", title=f"selected fraction: {title}")
+    print(table)
+    print(f"\n[xmod] routing report: {output}/routing_report.{{txt,json}}, update_counts.png, selected_fraction.png")
+    return 0

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from megatron_xmod.routing import indices_to_mask, select_threshold, select_topk
+from megatron_xmod.xmod.routing import indices_to_mask, select_threshold, select_topk
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ def report_run(run_dir: Path, valid_prefix: str, rule: str, num_sequences: int =
     """``xmod routing-report`` of a run's checkpoint (written to ``run_dir/routing_report_<rule>``)."""
     import argparse
 
-    from megatron_xmod.diagnostics.cli import run
+    from megatron_xmod.diagnostics.routing_report import run
 
     output = run_dir / f"routing_report_{rule}"
     if not (output / "routing_report.json").is_file():

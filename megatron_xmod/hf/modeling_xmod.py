@@ -38,7 +38,7 @@ except ImportError:  # inside the megatron_xmod package
     from megatron_xmod.hf.cache import XModCache
     from megatron_xmod.hf.configuration_xmod import XModHFConfig
     from megatron_xmod.moe.scores import normalize_routing_logits, top_p_routing, topk_routing
-    from megatron_xmod.routing import padded_selection, route, update_token_choice_bias
+    from megatron_xmod.xmod.routing import padded_selection, route, update_token_choice_bias
 
 # transformers 5 names the cache "cache"; 4.x named it "past_key_values".
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"

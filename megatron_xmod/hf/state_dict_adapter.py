@@ -29,7 +29,7 @@ Interface (what ``xmod export-hf`` / ``xmod import-hf`` call):
   checkpoint and a TE-built model use), ``experts="grouped"`` the TE grouped-GEMM expert names.
 - :data:`EXPORTED_FILES`: ``{file name in the exported folder: source path}`` of the package files
   copied verbatim next to config.json (modeling, configuration, cache, and the routing rules, which
-  live once in :mod:`megatron_xmod.routing` and :mod:`megatron_xmod.moe.scores`).
+  live once in :mod:`megatron_xmod.xmod.routing` and :mod:`megatron_xmod.moe.scores`).
 
 Layouts: megatron's fused ``linear_qkv`` weight is ``[groups * (q_per_group + 2) * head_dim, hidden]``
 with rows ordered per query group as (q heads of the group, k, v); the HF model keeps separate

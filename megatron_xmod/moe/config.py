@@ -1,4 +1,4 @@
-"""MoE and DTop-p options on top of :class:`~megatron_xmod.config.XModConfig`.
+"""MoE and DTop-p options on top of :class:`~megatron_xmod.xmod.config.XModConfig`.
 
 Megatron's own MoE fields (``num_moe_experts``, ``moe_router_topk``, ``moe_aux_loss_coeff``,
 ``moe_z_loss_coeff``, ``moe_router_enable_expert_bias``, dispatcher, capacity, ...) keep their
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_xmod.config import XModConfig
+from megatron_xmod.xmod.config import XModConfig
 
 ROUTER_TYPES = ("topk", "dtopp", "topp-fixed")
 ROUTING_NORMS = ("learnable", "fixed", "none")

@@ -12,13 +12,13 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_xmod.block import get_layer_submodules, resolve_use_transformer_engine
-from megatron_xmod.config import XModConfig
 from megatron_xmod.model import build_gpt_model, config_from_backbone
 from megatron_xmod.moe.config import MoEConfig
 from megatron_xmod.moe.presets import parse_moe_model
 from megatron_xmod.moe.router import BaselineTopKRouter, DTopPRouter, dtopp_finalize_model_grads
 from megatron_xmod.presets import Backbone
+from megatron_xmod.xmod.block import get_layer_submodules, resolve_use_transformer_engine
+from megatron_xmod.xmod.config import XModConfig
 
 _MOE_CONFIG_FIELDS = {f.name for f in dataclasses.fields(MoEConfig)} - {f.name for f in dataclasses.fields(XModConfig)}
 

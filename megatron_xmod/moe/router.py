@@ -69,7 +69,7 @@ class DTopPRouter(TopKRouter):
         check_topp_compatibility(config)  # the config was validated, but it may have been edited since
         super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
         self.controlled = config.moe_router_type == "dtopp"
-        # The built model chunk's RoutingState (megatron_xmod.routing_state), attached after the
+        # The built model chunk's RoutingState (megatron_xmod.xmod.routing_state), attached after the
         # build; without one (a router used on its own) nothing is recorded.
         self.routing_state = None
         norm = config.dtopp_routing_norm

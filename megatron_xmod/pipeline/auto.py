@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron_xmod.layout import Layout
 from megatron_xmod.pipeline.cost import layer_items
 from megatron_xmod.pipeline.partition import balanced_partition, default_partition
 from megatron_xmod.presets import GPT2_VOCAB_SIZE, Backbone, ModelDescription
+from megatron_xmod.xmod.layout import Layout
 
 BALANCE_CHOICES = ("default", "auto")
 _USER_SPLIT = ("--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",

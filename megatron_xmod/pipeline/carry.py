@@ -1,7 +1,7 @@
 """The token-choice bias across pipeline stages: an adapter beside the model, not inside it.
 
 Within a stage the sparse layers of a block hand the bias b (Eq.8 of the X-MoD paper) and their
-routed set to the next layer through the chunk's :class:`~megatron_xmod.routing_state.RoutingState`.
+routed set to the next layer through the chunk's :class:`~megatron_xmod.xmod.routing_state.RoutingState`.
 When a pipeline boundary falls inside a sparse block, b must travel with that micro-batch's
 activations. It does so as extra channels of the activation tensor megatron's schedules already
 send: a chunk that is not the last stage appends ``[b, routed set]`` to its output

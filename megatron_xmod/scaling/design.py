@@ -10,8 +10,8 @@ from functools import lru_cache
 from typing import Optional
 
 from megatron_xmod.accounting import ModelCount, count_model, embedding_params
-from megatron_xmod.layout import NAMED_LAYOUTS, Layout, LayoutError, parse_layout, resolve_layout
 from megatron_xmod.presets import BACKBONES, Backbone, resolve_backbone
+from megatron_xmod.xmod.layout import NAMED_LAYOUTS, Layout, LayoutError, parse_layout, resolve_layout
 
 
 @dataclass(frozen=True)

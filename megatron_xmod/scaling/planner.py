@@ -18,10 +18,10 @@ from typing import Optional
 
 import numpy as np
 
-from megatron_xmod.layout import LayoutError
 from megatron_xmod.presets import Backbone
 from megatron_xmod.scaling.design import Design, design
 from megatron_xmod.scaling.law import TABLE8, LawParams, asymptotic_exponents, predict_delta
+from megatron_xmod.xmod.layout import LayoutError
 
 PAPER_A_GRID = (0.5, 1.0, 2.0, 3.0, 4.0, 5.0)  # the anchor sweep of the paper's scaling-law grid
 # Where the paper's law was fitted (its "Scaling law sweep grid"): the K-L sweep at 556M, A = 1, L = 2k..32k

@@ -5,10 +5,10 @@ import os
 
 import numpy as np
 
-from megatron_xmod.layout import LayoutError
 from megatron_xmod.scaling.design import design
 from megatron_xmod.scaling.law import LawParams, predict_delta, predict_loss
 from megatron_xmod.scaling.runs import Runs
+from megatron_xmod.xmod.layout import LayoutError
 
 
 def _pyplot():

@@ -18,9 +18,9 @@ from typing import Optional
 
 import numpy as np
 
-from megatron_xmod.layout import LayoutError
 from megatron_xmod.scaling.design import backbone_for, design
 from megatron_xmod.scaling.planner import number, read_table
+from megatron_xmod.xmod.layout import LayoutError
 
 REQUIRED = ("L", "N_act", "K", "A", "C", "tokens", "loss")
 

@@ -11,10 +11,10 @@ import csv
 
 import numpy as np
 
-from megatron_xmod.layout import LayoutError
 from megatron_xmod.presets import get_backbone
 from megatron_xmod.scaling.design import design
 from megatron_xmod.scaling.law import TABLE8, LawParams, predict_delta
+from megatron_xmod.xmod.layout import LayoutError
 
 # The paper's scaling-law sweep grid (K-L, scale and anchor sweeps); it does not list every K, so
 # these K values are our choice.

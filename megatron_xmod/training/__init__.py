@@ -7,5 +7,5 @@
 - :mod:`~megatron_xmod.training.patches`: every change to megatron, numbered, with the line it targets;
 - :mod:`~megatron_xmod.training.hooks`: the one object naming what is handed to ``pretrain``.
 
-The entry point that ties them together is :mod:`megatron_xmod.pretrain`.
+The entry point that ties them together is :mod:`megatron_xmod.training.pretrain`.
 """

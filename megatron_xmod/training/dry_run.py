@@ -68,7 +68,7 @@ def summary(args) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:  # the entry point's flags: the dry run validates exactly those
-        from megatron_xmod.pretrain import print_help
+        from megatron_xmod.training.pretrain import print_help
 
         print_help()
         return 0
@@ -86,7 +86,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[dry-run] FAILED ({kind}): {error}", file=sys.stderr)
         return 1
     print(summary(args), flush=True)
-    from megatron_xmod.memory_estimate import check_launch_memory
+    from megatron_xmod.training.memory_estimate import check_launch_memory
 
     return check_launch_memory(args)  # refuses (1) above GPU_MEM_GB, default 80, before any allocation
 

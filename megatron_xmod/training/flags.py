@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_xmod.layout import (
+from megatron_xmod.moe.presets import is_moe_model_name
+from megatron_xmod.presets import BACKBONES, backbone_flags, resolve_backbone
+from megatron_xmod.xmod.layout import (
     ROUTING_FAMILIES,
     LayoutError,
     ablation_settings,
     layout_from_model_name,
     resolve_layout,
 )
-from megatron_xmod.moe.presets import is_moe_model_name
-from megatron_xmod.presets import BACKBONES, backbone_flags, resolve_backbone
 
 MUON_TABLE5 = [  # the X-MoD paper, Table 5 (peak LR 3.2e-3; AdamW settings for the non-matrix parameters)
     "--optimizer", "muon", "--lr", "3.2e-3", "--muon-momentum", "0.95", "--muon-num-ns-steps", "5",
@@ -35,7 +35,7 @@ _LAYOUT_FLAGS = {"--xmod-model", "--xmod-routing-family", "--xmod-layout", "--xm
 
 
 def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``--xmod-*`` group; each dest is an :class:`~megatron_xmod.config.XModConfig` field name,
+    """The ``--xmod-*`` group; each dest is an :class:`~megatron_xmod.xmod.config.XModConfig` field name,
     so megatron's ``core_transformer_config_from_args`` maps them onto the config unchanged."""
     group = parser.add_argument_group("X-MoD", "sparse-depth routing (megatron_xmod)")
     group.add_argument("--xmod-backbone", default=None, metavar="PRESET_OR_JSON",

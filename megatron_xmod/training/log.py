@@ -27,9 +27,9 @@ from typing import Optional
 import torch
 
 from megatron_xmod.accounting import ModelCount, count, dense_reference
-from megatron_xmod.layout import Layout, parse_layout
 from megatron_xmod.presets import Backbone, ModelDescription
-from megatron_xmod.routing_state import per_layer, report, routing_states
+from megatron_xmod.xmod.layout import Layout, parse_layout
+from megatron_xmod.xmod.routing_state import per_layer, report, routing_states
 
 
 def describe_from_args(args) -> Optional[ModelDescription]:
@@ -67,8 +67,8 @@ def describe_from_args(args) -> Optional[ModelDescription]:
 
 def metric_names() -> tuple[str, ...]:
     """Every recorder class's metrics: ranks reduce one tensor whose shape these names fix."""
-    from megatron_xmod.layers import XModSparseLayer
     from megatron_xmod.moe.router import DTopPRouter
+    from megatron_xmod.xmod.layers import XModSparseLayer
 
     return tuple(dict.fromkeys(XModSparseLayer.ROUTING_METRICS + DTopPRouter.ROUTING_METRICS))
 

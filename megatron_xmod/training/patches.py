@@ -330,7 +330,7 @@ def iteration_to_routing_state() -> None:
 
     @functools.wraps(original)
     def train_step(*args, **kwargs):
-        from megatron_xmod.routing_state import routing_states
+        from megatron_xmod.xmod.routing_state import routing_states
 
         bound = signature.bind(*args, **kwargs).arguments
         iteration = bound.get("iteration")

@@ -10,7 +10,7 @@ def config_from_args(args):
     MoEConfig when ``--num-experts``/``--moe-preset`` ask for experts."""
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_xmod.config import XModConfig
+    from megatron_xmod.xmod.config import XModConfig
 
     config = core_transformer_config_from_args(args, XModConfig)
     if config.num_moe_experts is None and getattr(args, "moe_preset", None) is None:

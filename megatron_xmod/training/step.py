@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from megatron_xmod.routing_state import eval_routing, routing_states, statistics_paused, take_microbatch_loss
+from megatron_xmod.xmod.routing_state import eval_routing, routing_states, statistics_paused, take_microbatch_loss
 
 NONFINITE = "nonfinite_router_logits"
 

@@ -1,5 +1,5 @@
 """Triton kernels of the fused training routing step (top-k rule); the torch reference is
-:func:`megatron_xmod.kernels.routing_step.routing_step_torch`, built from :mod:`megatron_xmod.routing`.
+:func:`megatron_xmod.xmod.kernels.routing_step.routing_step_torch`, built from :mod:`megatron_xmod.xmod.routing`.
 
 Imported lazily by the dispatcher: ``TRITON_INTERPRET=1`` is read when the ``@triton.jit`` kernels
 below are defined, so the CPU interpreter only works if it is set before this import.
@@ -15,7 +15,7 @@ One launch forward, one backward, instead of the torch path's ~12 ops forward an
 - ``_scores_backward_kernel`` (grid: token blocks x sequences): d logit = d score + [routed]
   d r * r(1-r).
 
-The router logits themselves come from the layer (megatron_xmod.memory.router_logits keeps one
+The router logits themselves come from the layer (megatron_xmod.xmod.routing_state.router_logits keeps one
 saved router input per block), so this kernel saves nothing of size [s, b, h].
 """
 import torch

@@ -12,7 +12,7 @@ norm / softmax statistics, router scores and indices at their own (fp32 / int64)
 - dense layer, per token: 6h + 5 a d + 4 g d + 5 f (activations) + 2 + 2a + g (fp32 norm and
   softmax statistics) + 4d (RoPE cos/sin, per position) elements;
 - routed layer, per routed token (L/K of them): the same, plus the rows of the previous routed layer
-  (the router-input chain of megatron_xmod.memory) and the gated update (2h), indices and gates;
+  (the router-input chain of megatron_xmod.xmod.routing_state) and the gated update (2h), indices and gates;
   per token of the sequence: 3 fp32 router scalars (scores, BCE target); per block: one full-length
   base [L, b, h];
 - tensor parallel t divides a, g, f terms; sequence parallelism also the h terms.

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 
 from megatron_xmod.accounting import count, dense_reference
-from megatron_xmod.memory_estimate import add_memory_arguments, print_memory
 from megatron_xmod.moe.presets import MOE_MODEL_NAMES
 from megatron_xmod.presets import BACKBONE_FILE_FIELDS, BACKBONES, parse_model, resolve_backbone
+from megatron_xmod.training.memory_estimate import add_memory_arguments, print_memory
 
 
 def register(subparsers) -> None:
@@ -20,7 +20,7 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=32768)
     p.add_argument("--dense-prefix", type=int, default=4, help="N0 for xmod-a<A>k<K> names")
     p.add_argument("--json", action="store_true", help="one JSON object per model, one per line")
-    add_memory_arguments(p)  # --memory: per-GPU bytes by part (megatron_xmod.memory_estimate)
+    add_memory_arguments(p)  # --memory: per-GPU bytes by part (megatron_xmod.training.memory_estimate)
     p.set_defaults(func=run)
 
 

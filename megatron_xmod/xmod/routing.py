@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 SPARSE_FAMILIES = ("mod", "xmod")
+EVAL_ROUTING_RULES = ("threshold", "topk")
 
 
 @dataclass(frozen=True)
@@ -178,3 +179,10 @@ def jaccard_tensor(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|a & b| / |a | b| of two routed-token masks (adjacent-layer overlap, Table 10); 1 if both empty."""
     union = (a | b).sum()
     return torch.where(union > 0, (a & b).sum() / union.clamp(min=1), torch.ones((), device=a.device))
+
+
+def check_eval_rule(rule: str) -> str:
+    """The evaluation rule of a model's sparse layers: threshold (deployable) or topk (comparison)."""
+    if rule not in EVAL_ROUTING_RULES:
+        raise ValueError(f"xmod_eval_routing: {rule!r} is not one of {', '.join(EVAL_ROUTING_RULES)}")
+    return rule

@@ -5,7 +5,7 @@ Selection, highest priority first: the ``backend=`` argument, :func:`set_backend
 cuda extension > triton > torch for GPU tensors, torch for CPU tensors. A backend that was asked
 for but cannot run here (extension not built, tensors on CPU, ...) is replaced by the best
 available one with a WARNING that says why; the backend actually used is logged once (INFO) per
-op and device type on the ``megatron_xmod.permute`` logger.
+op and device type on the ``megatron_xmod.xmod.permute`` logger.
 
 Triton on CPU tensors only works under ``TRITON_INTERPRET=1`` (the interpreter, for tests), so
 ``auto`` never picks it there; forcing ``triton`` with the interpreter on does.
@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from megatron_xmod.permute import reference
+from megatron_xmod.xmod.permute import reference
 
-logger = logging.getLogger("megatron_xmod.permute")
+logger = logging.getLogger("megatron_xmod.xmod.permute")
 
 ENV_BACKEND = "XMOD_PERMUTE_BACKEND"
 ENV_CHECK = "XMOD_PERMUTE_CHECK"
@@ -67,7 +67,7 @@ class LazyTriton:
         return self.error if self.module() is None else None
 
 
-_triton = LazyTriton("megatron_xmod.permute.triton_ops")
+_triton = LazyTriton("megatron_xmod.xmod.permute.triton_ops")
 
 
 def _unavailable(name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
@@ -77,7 +77,7 @@ def _unavailable(name: str, device: torch.device, dtype: torch.dtype) -> Optiona
     if dtype not in FAST_DTYPES:
         return f"the {name} backend supports float32/float16/bfloat16, not {dtype}"
     if name == "cuda":
-        from megatron_xmod.permute import cuda_ops
+        from megatron_xmod.xmod.permute import cuda_ops
 
         return cuda_ops.unavailable_reason(device)
     return _triton.unavailable(device)
@@ -129,7 +129,7 @@ def selected_backend(x: torch.Tensor, backend: Optional[str] = None, op: str = "
 
 def _ops(name: str):
     if name == "cuda":
-        from megatron_xmod.permute import cuda_ops
+        from megatron_xmod.xmod.permute import cuda_ops
 
         return cuda_ops
     return _triton.module()

@@ -1,10 +1,10 @@
 """Routed-token permutation ops (gather the routed tokens, scatter the gated update back).
 
 ``gather_tokens`` and ``scatter_gated`` dispatch to the fastest available backend (CUDA
-extension, Triton, plain torch); see :mod:`megatron_xmod.permute.dispatch`. The plain-torch
-definitions that every backend is tested against are in :mod:`megatron_xmod.permute.reference`.
+extension, Triton, plain torch); see :mod:`megatron_xmod.xmod.permute.dispatch`. The plain-torch
+definitions that every backend is tested against are in :mod:`megatron_xmod.xmod.permute.reference`.
 """
-from megatron_xmod.permute.dispatch import (
+from megatron_xmod.xmod.permute.dispatch import (
     BACKENDS,
     ENV_BACKEND,
     gather_tokens,

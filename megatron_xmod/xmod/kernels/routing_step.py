@@ -4,9 +4,9 @@ tokens, from the router logits the layer computed.
 
 ``routing_step`` returns the same tensors whichever backend runs it:
 
-- ``torch``: :func:`routing_step_torch`, composed from :mod:`megatron_xmod.routing` (the rules'
+- ``torch``: :func:`routing_step_torch`, composed from :mod:`megatron_xmod.xmod.routing` (the rules'
   one definition);
-- ``triton``: :mod:`megatron_xmod.kernels.triton_routing` (one launch forward, one backward),
+- ``triton``: :mod:`megatron_xmod.xmod.kernels.triton_routing` (one launch forward, one backward),
   tested against the torch path. It has no host synchronisation and only static shapes
   (k = L/K), so it can be captured in a CUDA graph.
 
@@ -14,7 +14,7 @@ Selection, highest priority first: the ``backend=`` argument, the ``XMOD_ROUTING
 environment variable (``auto|triton|torch``), then ``auto``: triton for CUDA tensors when Triton
 imports, torch otherwise. Triton on CPU tensors needs ``TRITON_INTERPRET=1`` (tests) and is only
 used when asked for. A backend that was asked for but cannot run falls back with a WARNING that
-says why (logger ``megatron_xmod.kernels``). ``launch_counts`` counts the routing steps each
+says why (logger ``megatron_xmod.xmod.kernels``). ``launch_counts`` counts the routing steps each
 backend ran (instrumentation for tests and benchmarks; it holds no model state).
 
 Only the top-k rule (training) is fused: the threshold rule of evaluation selects a different
@@ -34,10 +34,10 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from megatron_xmod.permute.dispatch import LazyTriton
-from megatron_xmod.routing import RoutingDecision, route, topk_count, update_token_choice_bias
+from megatron_xmod.xmod.permute.dispatch import LazyTriton
+from megatron_xmod.xmod.routing import RoutingDecision, route, topk_count, update_token_choice_bias
 
-logger = logging.getLogger("megatron_xmod.kernels")
+logger = logging.getLogger("megatron_xmod.xmod.kernels")
 
 ENV_BACKEND = "XMOD_ROUTING_BACKEND"
 BACKENDS = ("triton", "torch")
@@ -53,7 +53,7 @@ class RoutingStep(NamedTuple):
 
 def routing_step_torch(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias: Optional[torch.Tensor],
                        tau: float, increment: float, need_gate: bool = True) -> RoutingStep:
-    """The reference: the rules of :mod:`megatron_xmod.routing`, op by op."""
+    """The reference: the rules of :mod:`megatron_xmod.xmod.routing`, op by op."""
     decision = route(logits, sparsity_k, rule, carried_bias, tau)
     bias = update_token_choice_bias(carried_bias, decision.selected, increment)
     gate = None
@@ -100,7 +100,7 @@ class _FusedRoutingStep(torch.autograd.Function):
         return dlogits, None, None, None, None, None
 
 
-_triton = LazyTriton("megatron_xmod.kernels.triton_routing")
+_triton = LazyTriton("megatron_xmod.xmod.kernels.triton_routing")
 
 
 def _triton_unavailable(x: torch.Tensor) -> Optional[str]:

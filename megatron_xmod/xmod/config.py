@@ -12,9 +12,9 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_xmod.layout import Layout, LayoutLayer, resolve_layout
-from megatron_xmod.routing import SparseLayerRouting
-from megatron_xmod.routing_state import check_eval_rule
+from megatron_xmod.xmod.layout import Layout, LayoutLayer, resolve_layout
+from megatron_xmod.xmod.routing import SparseLayerRouting
+from megatron_xmod.xmod.routing_state import check_eval_rule
 
 
 @dataclass
@@ -33,7 +33,7 @@ class XModConfig(TransformerConfig):
     """N0: dense layers before the first sparse block. X-MoD default 4 (the paper's main setting)."""
 
     xmod_layout: Optional[str] = None
-    """Explicit layout in the notation of :mod:`megatron_xmod.layout` (overrides K/A/N0)."""
+    """Explicit layout in the notation of :mod:`megatron_xmod.xmod.layout` (overrides K/A/N0)."""
 
     xmod_activated_depth: Optional[int] = None
     """Activated-equivalent depth the derived layout must reach (28 for the Table 4 backbones).

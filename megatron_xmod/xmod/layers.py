@@ -8,28 +8,75 @@ gated update back; every other token passes through bit-identical.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_xmod.attention import SDPAttention
-from megatron_xmod.config import check_routing_compatibility
-from megatron_xmod.kernels import routing_step
-from megatron_xmod.memory import flat_rows, recompute_phase, router_logits
-from megatron_xmod.permute import gather_tokens, scatter_gated
-from megatron_xmod.routing import (
+from megatron_xmod.xmod.config import check_routing_compatibility
+from megatron_xmod.xmod.kernels import routing_step
+from megatron_xmod.xmod.permute import gather_tokens, scatter_gated
+from megatron_xmod.xmod.routing import (
     SparseLayerRouting,
     jaccard_tensor,
     padded_selection,
     router_bce_loss,
 )
-from megatron_xmod.routing_state import RoutingState
+from megatron_xmod.xmod.routing_state import RoutingState, flat_rows, recompute_phase, router_logits
+
+
+class SDPAttention(DotProductAttention):
+    """Core attention for the local (non-TransformerEngine) path on torch SDPA.
+
+    megatron's local ``DotProductAttention`` materialises the full [b, heads, s, s] score matrix, which
+    rules out the paper's L = 32k on GPU; SDPA dispatches to flash / memory-efficient kernels there and
+    to the math kernel on CPU. Same constructor and forward contract as DotProductAttention."""
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [sq, b, heads, head_dim]
+        key: torch.Tensor,  # [sk, b, groups, head_dim]
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise ValueError("packed_seq_params: packed sequences need TransformerEngine attention (--transformer-impl transformer_engine)")
+        if attention_bias is not None:
+            raise ValueError("attention_bias: not supported by SDPAttention")
+        if self.config.apply_query_key_layer_scaling:
+            # megatron folds 1/layer_number into softmax_scale and restores it inside its fp32
+            # softmax; SDPA has no second half of that trick.
+            raise ValueError("apply_query_key_layer_scaling: not supported by SDPAttention")
+        if self.softmax_offset is not None:
+            raise ValueError(f"softmax_type: SDPAttention supports 'vanilla' only, got {self.config.softmax_type!r}")
+        mask_type = attn_mask_type or self.attn_mask_type
+        sq, b = query.shape[0], query.shape[1]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        # megatron masks are True where attention is *forbidden*; SDPA's boolean masks are True
+        # where it is allowed. As in megatron's local path, an explicit mask wins over the type.
+        sdpa_mask = None if attention_mask is None else ~attention_mask.bool()
+        is_causal = sdpa_mask is None and mask_type == AttnMaskType.causal
+        dropout = self.attention_dropout.p if self.training else 0.0
+        # Same RNG discipline as megatron: attention dropout differs across TP ranks by design.
+        use_tracker = dropout and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if use_tracker else contextlib.nullcontext():
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=sdpa_mask, dropout_p=dropout, is_causal=is_causal,
+                scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1],
+            )
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 
 def _num_microbatches() -> int:
@@ -94,7 +141,7 @@ def _padding_mask(valid: Optional[torch.Tensor]):
 
 class XModSparseLayer(TransformerLayer):
     """``routing`` (spec params) says how this layer routes; ``routing_state`` is the built model
-    chunk's :class:`~megatron_xmod.routing_state.RoutingState`, attached after the build."""
+    chunk's :class:`~megatron_xmod.xmod.routing_state.RoutingState`, attached after the build."""
 
     ROUTING_METRICS = ("selected_fraction", "coverage", "adjacent_jaccard", "router_bce_loss",
                        "eval_selected_fraction", "eval_coverage", "eval_adjacent_jaccard", "nonfinite_router_logits")
@@ -130,7 +177,7 @@ class XModSparseLayer(TransformerLayer):
         if state is None:
             raise RuntimeError(
                 f"routing_state: sparse layer {self.layer_number} has no routing state; build the model with "
-                "megatron_xmod's builders, or call megatron_xmod.routing_state.attach_routing_state(model) after "
+                "megatron_xmod's builders, or call megatron_xmod.xmod.routing_state.attach_routing_state(model) after "
                 "building it")
         routing = self.routing
         seq_len, batch = hidden_states.shape[:2]
@@ -140,7 +187,7 @@ class XModSparseLayer(TransformerLayer):
         carried_bias, previous_selected = self._take_bias(state, (seq_len, batch), phase)
         rule = "topk" if self.training else state.eval_rule
         tau = routing.effective_tau(state.iteration)  # during a training run the warm-up's value, else the full tau
-        # Eq.(8) adjustment, top-k in position order, bias update: one fused kernel on GPU (megatron_xmod.kernels).
+        # Eq.(8) adjustment, top-k in position order, bias update: one fused kernel on GPU (megatron_xmod.xmod.kernels).
         decision, bias, _ = routing_step(logits, routing.sparsity_k, rule, carried_bias, tau,
                                          routing.token_choice_bias_increment, need_gate=False)
         state.observe(self.layer_number, logits, decision)
@@ -187,7 +234,7 @@ class XModSparseLayer(TransformerLayer):
 
     def _router_logits(self, hidden_states):
         """Router logits [s, b] in fp32 over the whole sequence, and the router-input chain of the
-        block (megatron_xmod.memory: the full-length input is saved once per block, not per layer)."""
+        block (megatron_xmod.xmod.routing_state: the full-length input is saved once per block, not per layer)."""
         logits, chain = router_logits(self.router, hidden_states, self.routing_state.router_inputs, self.layer_number)
         logits = logits.squeeze(-1).float()
         if self.config.sequence_parallel:

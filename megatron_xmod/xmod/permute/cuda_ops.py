@@ -46,7 +46,7 @@ def unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
 def _ext_or_raise(device: torch.device):
     why = unavailable_reason(device)
     if why is not None:
-        raise RuntimeError(f"megatron_xmod.permute cuda backend: {why}")
+        raise RuntimeError(f"megatron_xmod.xmod.permute cuda backend: {why}")
     return _ext
 
 

@@ -1,4 +1,5 @@
-"""The ``xmod`` command. Each feature module registers its own sub-command via ``register(subparsers)``."""
+"""The ``xmod`` command: every sub-command is a module of this package with ``register(subparsers)``;
+the work itself lives in the feature packages, which never import this one."""
 from __future__ import annotations
 
 import argparse
@@ -7,14 +8,14 @@ import sys
 
 # Modules that provide ``register(subparsers)``; one line per feature.
 COMMAND_MODULES = (
-    "megatron_xmod.count_cli",
-    "megatron_xmod.ckpt_cli",
-    "megatron_xmod.data.preprocess",
-    "megatron_xmod.scaling.cli",
-    "megatron_xmod.demo",
-    "megatron_xmod.diagnostics.cli",
-    "megatron_xmod.hf.cli",
-    "megatron_xmod.pipeline.cli",
+    "megatron_xmod.cli.count",
+    "megatron_xmod.cli.ckpt",
+    "megatron_xmod.cli.preprocess",
+    "megatron_xmod.cli.scaling",
+    "megatron_xmod.cli.demo",
+    "megatron_xmod.cli.routing_report",
+    "megatron_xmod.cli.hf",
+    "megatron_xmod.cli.partition",
 )
 
 
@@ -27,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_xmod.pretrain import quiet_cpu_only_warnings
     from megatron_xmod.training import patches
+    from megatron_xmod.training.pretrain import quiet_cpu_only_warnings
 
     if patches.cpu_mode():  # megatron warns about TE/Apex/CUDA at import time, as the entry point knows
         quiet_cpu_only_warnings()
