@@ -27,7 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_xmod.training.patches import cpu_patches  # noqa: E402
+from megatron_xmod.cpu_shim import cpu_patches  # noqa: E402
 
 MACHINE = "2-core CPU dev machine, no GPU"
 

@@ -60,7 +60,7 @@ def single_rank_megatron(seed: int = 1234):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_xmod.training.patches import cpu_patches
+    from megatron_xmod.cpu_shim import cpu_patches
 
     with cpu_patches(training=False):
         if not torch.distributed.is_initialized():

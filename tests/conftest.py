@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from megatron_xmod.training.patches import cpu_patches
+from megatron_xmod.cpu_shim import cpu_patches
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from megatron_xmod.training.patches import cpu_patches  # noqa: E402
+from megatron_xmod.cpu_shim import cpu_patches  # noqa: E402
 
 
 def _same_on_all_ranks(tensor: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from megatron_xmod.training.patches import cpu_patches  # noqa: E402
+from megatron_xmod.cpu_shim import cpu_patches  # noqa: E402
 
 SEQ, BATCH, LAYOUT = 32, 2, "D + (S4*2 + D)"
 

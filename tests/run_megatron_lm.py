@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 tests/run_megatron_lm.py [pretrain_gpt.py arguments]
 
 The only things done before handing over: the plugin's CPU compatibility layer
-(``megatron_xmod.training.patches.cpu_patches``, a no-op on a GPU machine), skipping the dataset
+(``megatron_xmod.cpu_shim.cpu_patches``, a no-op on a GPU machine), skipping the dataset
 helpers' ``make`` (the pip wheel ships them built), and putting Megatron-LM's folder (for its
 ``gpt_builders`` / ``model_provider`` imports) and tests/ (for ``--spec spec_models ...``) on the path.
 ``MEGATRON_LM_DIR`` points at another checkout.
@@ -18,6 +18,7 @@ MEGATRON_LM_DIR = Path(os.environ.get("MEGATRON_LM_DIR", HERE.parents[1] / "shar
 
 
 def main() -> None:
+    from megatron_xmod.cpu_shim import cpu_patches
     from megatron_xmod.training import patches
 
     script = MEGATRON_LM_DIR / "pretrain_gpt.py"
@@ -25,7 +26,7 @@ def main() -> None:
         sys.exit(f"run_megatron_lm: no pretrain_gpt.py in {MEGATRON_LM_DIR}; set MEGATRON_LM_DIR to a Megatron-LM checkout")
     sys.path[:0] = [str(MEGATRON_LM_DIR), str(HERE)]
     sys.argv = [str(script)] + sys.argv[1:]
-    with patches.cpu_patches(training=True):
+    with cpu_patches(training=True):
         patches.skip_dataset_helper_build()
         runpy.run_path(str(script), run_name="__main__")
 

@@ -141,20 +141,23 @@ def test_layer_routes_with_the_warmed_up_tau(seeded):
     assert not all(torch.equal(a, b) for a, b in zip(at_start, trained))  # the bias changes the routing
 
 
-def test_patch_15_hands_the_iteration_to_the_routing_states(seeded, monkeypatch):
-    import megatron.training.training as training
+def test_forward_step_hands_megatrons_iteration_to_the_routing_states(seeded, monkeypatch):
+    """The tau warm-up's clock is megatron's ``args.curr_iteration`` (set before each train step, restored
+    on resume), read by our forward step in training mode only."""
+    import argparse
 
-    from megatron_xmod.training import patches
+    import megatron.training
 
-    seen = []
+    from megatron_xmod.training.step import forward_step
 
-    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
-                   forward_backward_func, iteration=None, pg_collection=None, p2p_communicator=None):
-        seen.append([m.routing_state.iteration for m in model])
-
-    monkeypatch.setattr(training, "train_step", train_step)
-    patches.iteration_to_routing_state()
     model, _ = tiny_model("D + (S4*2 + D)", seq_len=16)
-    training.train_step(None, None, [model], None, None, None, None, iteration=7)
-    training.train_step(None, None, [model], None, None, None, None, iteration=8)
-    assert seen == [[7], [8]]
+    tokens = torch.randint(0, 256, (1, 16))
+    batch = dict(tokens=tokens, labels=tokens, loss_mask=torch.ones(1, 16), position_ids=torch.arange(16)[None])
+    seen = []
+    for iteration, training in ((7, True), (8, True), (9, False)):
+        monkeypatch.setattr(megatron.training, "get_args",
+                            lambda i=iteration: argparse.Namespace(curr_iteration=i, xmod_no_topk_validation=True))
+        model.train(training)
+        forward_step(iter([batch]), model)
+        seen.append(model.routing_state.iteration)
+    assert seen == [7, 8, 8]  # validation keeps the clock of the training step it follows

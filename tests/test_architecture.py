@@ -71,7 +71,12 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
                     base = ".".join(parts + ([node.module] if node.module else []))
                 for alias in node.names:
                     full = f"{base}.{alias.name}"
-                    targets.add(full if full in modules else owner(base))
+                    if full in modules:
+                        targets.add(full)
+                    elif base in modules or not node.level:
+                        targets.add(owner(base))
+                    # else: a relative import of a file that exists only in an exported HF folder (its
+                    # verbatim copies of routing.py and moe/scores.py), never inside the package
         graph[name] = {t for t in targets if t and t != name and t.startswith("megatron_xmod")}
     return graph
 

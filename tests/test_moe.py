@@ -140,6 +140,7 @@ def test_training_run_drives_active_experts_to_target(seeded):
 
 def test_arguments_expand_and_apply():
     from megatron_xmod.moe.args import add_moe_arguments, apply_moe_arguments, expand_moe_arguments
+    from megatron_xmod.training.flags import scan_argv
 
     parser = add_moe_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--moe-preset", "moe-8x64", "--moe-router-type", "dtopp", "--dtopp-kp", "0.2",
@@ -151,11 +152,12 @@ def test_arguments_expand_and_apply():
     assert kwargs["moe_router_score_function"] == "softmax" and kwargs["moe_token_dispatcher_type"] == "allgather"
     baseline = apply_moe_arguments(parser.parse_args(["--moe-preset", "moe-8x128"]), {"ffn_hidden_size": 6144})
     assert baseline["moe_router_enable_expert_bias"] and baseline["moe_router_topk"] == 6
-    argv = expand_moe_arguments(["--ffn-hidden-size", "3840", "--moe-preset", "moe-8x64", "--moe-router-topk", "4"])
+    argv = ["--ffn-hidden-size", "3840", "--moe-preset", "moe-8x64", "--moe-router-topk", "4"]
+    argv = expand_moe_arguments(argv, scan_argv(argv))
     assert argv[argv.index("--num-experts") + 1] == "64" and argv[argv.index("--moe-ffn-hidden-size") + 1] == "480"
     assert "--moe-router-enable-expert-bias" in argv and argv[-2:] == ["--moe-router-topk", "4"]  # explicit wins
     with pytest.raises(ValueError, match="ffn_hidden_size"):
-        expand_moe_arguments(["--moe-preset", "moe-8x64"])
+        expand_moe_arguments(["--moe-preset", "moe-8x64"], scan_argv(["--moe-preset", "moe-8x64"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--moe-router-type", "topp"])
 
@@ -313,11 +315,12 @@ def _entry_point_config(flags, monkeypatch):
 
     from megatron_xmod.moe.args import add_moe_arguments, apply_moe_arguments, expand_moe_arguments
     from megatron_xmod.moe.config import MoEConfig
+    from megatron_xmod.training.flags import scan_argv
     from megatron_xmod.xmod.config import XModConfig
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1"]
-    argv = expand_moe_arguments(base + flags)
+    argv = expand_moe_arguments(base + flags, scan_argv(base + flags))
     monkeypatch.setattr(sys, "argv", ["pretrain", *argv])
     args = parse_args(extra_args_provider=add_moe_arguments)
     args.rank, args.world_size = 0, 1

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from megatron_xmod.training.patches import cpu_mode
+from megatron_xmod.cpu_shim import cpu_mode
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker_sp.py")
 STEPS = 6

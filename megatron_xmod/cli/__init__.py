@@ -28,10 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_xmod.training import patches
+    from megatron_xmod.cpu_shim import cpu_mode
     from megatron_xmod.training.pretrain import quiet_cpu_only_warnings
 
-    if patches.cpu_mode():  # megatron warns about TE/Apex/CUDA at import time, as the entry point knows
+    if cpu_mode():  # megatron warns about TE/Apex/CUDA at import time, as the entry point knows
         quiet_cpu_only_warnings()
     args = build_parser().parse_args(argv)
     try:

@@ -88,7 +88,7 @@ def single_process_megatron():
     state, both torn down afterwards when this call created them."""
     from megatron.core import parallel_state
 
-    from megatron_xmod.training.patches import cpu_patches
+    from megatron_xmod.cpu_shim import cpu_patches
 
     created_group = created_mp = False
     with contextlib.ExitStack() as stack:

@@ -86,10 +86,10 @@ def export_checkpoint(load, output, iteration: Optional[int] = None, dtype: Opti
     """Export the checkpoint under ``load`` (latest iteration unless ``iteration``) into ``output``."""
     from transformers import GenerationConfig
 
+    from megatron_xmod.cpu_shim import cpu_patches
     from megatron_xmod.hf.checkpoint_io import checkpoint_path, load_checkpoint, read_common, single_process_args
     from megatron_xmod.hf.state_dict_adapter import AUTO_MAP, EXPORTED_FILES, hf_config_from_args, megatron_to_hf
     from megatron_xmod.hf.tokenizer_export import build_tokenizer
-    from megatron_xmod.training.patches import cpu_patches
 
     output = Path(output)
     if output.exists() and any(output.iterdir()):

@@ -39,11 +39,11 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def import_folder(folder, save, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> Path:
     """Write the megatron checkpoint of the HF ``folder`` under ``save``; returns its release folder."""
+    from megatron_xmod.cpu_shim import cpu_patches
     from megatron_xmod.hf.checkpoint_io import save_checkpoint, single_process_args
     from megatron_xmod.hf.configuration_xmod import XModHFConfig
     from megatron_xmod.hf.export import args_from_json, read_export_info
     from megatron_xmod.hf.state_dict_adapter import hf_config_from_args, hf_to_megatron
-    from megatron_xmod.training.patches import cpu_patches
 
     folder = Path(folder)
     for name, value in (("tensor_model_parallel_size", tensor_model_parallel_size),

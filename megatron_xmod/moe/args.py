@@ -101,13 +101,11 @@ def _preset_fields(preset: str, ffn_hidden_size: int, router_type: str | None) -
     return {**spec.megatron_fields(ffn_hidden_size), **spec.moe_fields()}
 
 
-def expand_moe_arguments(argv: list[str]) -> list[str]:
+def expand_moe_arguments(argv: list[str], scanned: argparse.Namespace) -> list[str]:
     """Expand ``--moe-preset`` into megatron's MoE flags and the ``--dtopp-*``/``--moe-router-type``/
-    ``--lm-z-loss-coeff`` flags of its recipe (placed first, so explicit flags win). Needs
-    ``--ffn-hidden-size`` (``--xmod-backbone`` expands to it: expand that first)."""
-    from megatron_xmod.training.flags import scan_argv
-
-    scanned = scan_argv(argv)
+    ``--lm-z-loss-coeff`` flags of its recipe (placed first, so explicit flags win). ``scanned``: the
+    entry point's reading of ``argv`` (``training.flags.scan_argv``), with ``moe_preset``,
+    ``moe_router_type`` and ``ffn_hidden_size`` (``--xmod-backbone`` expands to it: expand that first)."""
     if scanned.moe_preset is None:
         return list(argv)
     if scanned.ffn_hidden_size is None:

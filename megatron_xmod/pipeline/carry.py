@@ -9,14 +9,19 @@ send: a chunk that is not the last stage appends ``[b, routed set]`` to its outp
 puts them into its routing state as if its previous layer had run locally. Because the channels are
 part of the activation, every schedule (1F1B, interleaved, forward-only) pairs them with the right
 micro-batch and model chunk, and in-flight micro-batches each keep their own. b is a count, so no
-gradient flows through it: its channels are detached and get zero gradient back. The receive
-buffers are widened by numbered patch 18 (:func:`megatron_xmod.training.patches.widen_pipeline_messages`),
-which reads the channel count from the model config (:func:`carry_channels`).
+gradient flows through it: its channels are detached and get zero gradient back. Both ends are
+torch module hooks on the chunk (a forward hook appends, a forward pre-hook on its decoder splits what
+megatron's ``set_input_tensor`` handed it); megatron's receive buffers are widened by
+:func:`widened_communicate`, which the entry point installs as numbered patch 18
+(:mod:`megatron_xmod.training.patches`) and which reads the channel count from the model config
+(:func:`carry_channels`).
 
 Precision: the channels travel in megatron's ``pipeline_dtype``; with bf16 the bias is exact while
 it stays an integer <= 256 (integer increments, blocks of up to 256 sparse layers).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -56,16 +61,29 @@ def _first_layer_number(model) -> int:
     return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None)) + 1
 
 
+def widened_communicate(original):
+    """Patch 18's wrapper of megatron's ``P2PCommunicator._communicate``: a receive buffer of shape
+    (seq, micro-batch, hidden_size) gets the :func:`carry_channels` of the communicator's model config
+    appended; other models' messages are unchanged."""
+
+    @functools.wraps(original)
+    def _communicate(self, *, tensor_shape, **kwargs):
+        extra = carry_channels(self.config)
+        if extra and tensor_shape is not None and len(tensor_shape) == 3 and tensor_shape[-1] == self.config.hidden_size:
+            tensor_shape = (*tensor_shape[:-1], tensor_shape[-1] + extra)
+        return original(self, tensor_shape=tensor_shape, **kwargs)
+
+    return _communicate
+
+
 def attach_boundary_carry(model: torch.nn.Module) -> torch.nn.Module:
     """Make the GPT model chunk ``model`` (built by :mod:`megatron_xmod.model`) send and receive the
-    token-choice bias at its pipeline boundaries; a no-op without sparse layers or pipelining."""
+    token-choice bias at its pipeline boundaries; a no-op without sparse layers or pipelining. The
+    receive buffers must be widened too (patch 18, installed by the entry point)."""
     config = model.config
     channels = carry_channels(config)
     if not channels or getattr(model, "_xmod_boundary_carry", False):
         return model
-    from megatron_xmod.training.patches import widen_pipeline_messages
-
-    widen_pipeline_messages()
     state, hidden = model.routing_state, config.hidden_size
     layout = config.layer_layout.layers
     first = _first_layer_number(model)  # 1-based megatron layer numbers
@@ -76,21 +94,22 @@ def attach_boundary_carry(model: torch.nn.Module) -> torch.nn.Module:
     tp_group = _tp_group(model) if config.sequence_parallel else None
 
     if not model.pre_process:
-        set_input_tensor = model.set_input_tensor
+        def split_carry(decoder, args):
+            # megatron's schedule handed the received activation to set_input_tensor; the decoder reads
+            # it as decoder.input_tensor in its forward. Slicing keeps autograd's path to the received
+            # tensor, so its gradient gets zeros in the bias channels.
+            received = decoder.input_tensor
+            if received is None or received.shape[-1] != hidden + channels:
+                return None
+            carried = received[..., hidden:].detach().float()
+            if tp_group is not None and receives:
+                carried = _gather_along_first_dim(carried.contiguous(), tp_group)
+            if receives:
+                state.put_bias(first - 1, carried[..., 0].contiguous(), carried[..., 1] > 0.5)
+            decoder.input_tensor = received[..., :hidden].contiguous()
+            return None
 
-        def set_input_with_carry(input_tensor):
-            tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
-            received = tensors[0]
-            if received is not None and received.shape[-1] == hidden + channels:
-                carried = received[..., hidden:].detach().float()
-                if tp_group is not None and receives:
-                    carried = _gather_along_first_dim(carried.contiguous(), tp_group)
-                if receives:
-                    state.put_bias(first - 1, carried[..., 0].contiguous(), carried[..., 1] > 0.5)
-                tensors = [received[..., :hidden].contiguous(), *tensors[1:]]
-            return set_input_tensor(tensors)
-
-        model.set_input_tensor = set_input_with_carry
+        model.decoder.register_forward_pre_hook(split_carry)
 
     if not model.post_process:
         def append_carry(module, args, output):

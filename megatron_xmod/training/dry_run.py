@@ -23,18 +23,19 @@ from typing import Optional
 
 def validate(argv: list[str]):
     """megatron's parsed and validated arguments for ``argv`` (the entry point's command line)."""
+    from megatron_xmod.cpu_shim import cpu_patches
     from megatron_xmod.training import patches
     from megatron_xmod.training.flags import add_arguments, expand_arguments
-    from megatron_xmod.training.preflight import validate_before_training
+    from megatron_xmod.training.preflight import check_before_megatron_setup, validate_before_training
 
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ["RANK"] = "0"  # validation as rank 0 sees it; rank 0 writes no tensorboard/wandb
-    with patches.cpu_patches(training=True):
+    with cpu_patches(training=True):
         expanded = expand_arguments(list(argv))
         from megatron.training.arguments import parse_and_validate_args
 
         patches.no_log_writers()
-        patches.checks_before_tokenizer()
+        patches.checks_before_tokenizer(check_before_megatron_setup)
         saved = sys.argv
         sys.argv = [saved[0] if saved else "dry_run"] + expanded
         log = io.StringIO()  # megatron prints every argument; shown only with XMOD_DRY_RUN_VERBOSE=1

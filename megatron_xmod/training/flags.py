@@ -98,13 +98,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return add_moe_arguments(add_xmod_arguments(parser))
 
 
+# megatron's flags that the expansion reads (the last occurrence wins, as in megatron's own parser).
+_SCANNED_INT_FLAGS = ("--num-layers", "--ffn-hidden-size", "--hidden-size", "--num-attention-heads",
+                      "--num-query-groups", "--kv-channels", "--vocab-size", "--seq-length", "--micro-batch-size",
+                      "--pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank",
+                      "--num-layers-per-virtual-pipeline-stage")
+_SCANNED_TEXT_FLAGS = ("--lr", "--min-lr")
+# A split of the user's own, which --xmod-pipeline-balance auto leaves alone.
+_USER_PIPELINE_SPLIT = ("--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
+                        "--decoder-last-pipeline-num-layers", "--hybrid-layer-pattern")
+_VIRTUAL_STAGE_FLAGS = {"--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"}
+
+
 def scan_argv(argv: list[str]) -> argparse.Namespace:
-    """The plugin's flags and the few megatron flags the expansion reads, from a raw command line
-    (the last occurrence wins, as in megatron's own parser); everything else is ignored."""
+    """The one reading of a raw command line before megatron parses it: the plugin's flags and the
+    megatron flags the expansion reads; everything else is ignored."""
     parser = add_arguments(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
-    for flag in ("--num-layers", "--ffn-hidden-size"):
+    for flag in _SCANNED_INT_FLAGS:
         parser.add_argument(flag, type=int, default=None)
-    for flag in ("--lr", "--min-lr"):
+    for flag in _SCANNED_TEXT_FLAGS + _USER_PIPELINE_SPLIT:
         parser.add_argument(flag, default=None)
     return parser.parse_known_args(argv)[0]
 
@@ -158,12 +170,29 @@ def expand_arguments(argv: list[str]) -> list[str]:
     from megatron_xmod.moe.args import expand_moe_arguments
 
     # MoE presets size their experts from --ffn-hidden-size, which the backbone expansion provides.
-    expanded = expand_moe_arguments(head + argv + tail)
+    expanded = head + argv + tail
+    expanded = expand_moe_arguments(expanded, scan_argv(expanded))
     if pre.xmod_pipeline_balance == "auto":
-        from megatron_xmod.pipeline.auto import balanced_layout_flags
-
         expanded = balanced_layout_flags(expanded, layout)
     return expanded
+
+
+def balanced_layout_flags(argv: list[str], layout) -> list[str]:
+    """``argv`` with the cost-balanced ``--pipeline-model-parallel-layout`` of ``layout`` added; unchanged
+    when the run is not pipelined or its user split it already (``--xmod-pipeline-balance auto``)."""
+    from megatron_xmod.pipeline.auto import backbone_from_architecture, balanced_layout
+
+    scanned = scan_argv(argv)
+    pipeline_size = scanned.pipeline_model_parallel_size or 1
+    if pipeline_size < 2 or any(getattr(scanned, flag[2:].replace("-", "_")) is not None
+                                for flag in _USER_PIPELINE_SPLIT):
+        return argv
+    backbone = backbone_from_architecture(scanned.hidden_size, scanned.num_attention_heads, scanned.num_query_groups,
+                                          scanned.kv_channels, scanned.ffn_hidden_size, scanned.vocab_size)
+    pipeline_layout = balanced_layout(layout, backbone, scanned.seq_length, scanned.micro_batch_size or 1,
+                                      pipeline_size, scanned.num_virtual_stages_per_pipeline_rank,
+                                      scanned.num_layers_per_virtual_pipeline_stage)
+    return drop_flags(argv, _VIRTUAL_STAGE_FLAGS) + ["--pipeline-model-parallel-layout", pipeline_layout]
 
 
 def ablation_flags(model: str, argv: list[str]) -> list[str]:

@@ -1,13 +1,13 @@
 """What megatron_xmod hands to ``megatron.training.pretrain``, named in one object (in the manner of
 torchtitan's ``TrainSpec``): the extra flags, the model and dataset providers, the forward step, the
 callback that logs routing and compute after each of megatron's log lines, and the one that logs the
-evaluation routing statistics after each validation."""
+evaluation routing statistics after each validation (installed by the entry point as patches 13 and 20)."""
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 
-from megatron_xmod.training import flags, patches, providers, step
+from megatron_xmod.training import flags, providers, step
 from megatron_xmod.training.log import RoutingLog
 
 
@@ -18,10 +18,8 @@ class TrainHooks:
     datasets_provider: Callable
     forward_step: Callable
     after_training_log: Callable[[int], None]
+    after_evaluation: Callable[[int, bool, float, str], object]
     log: RoutingLog
-
-    def install_evaluation_log(self) -> None:
-        patches.call_after_evaluation(self.log.evaluation)
 
 
 def xmod_train_hooks() -> TrainHooks:
@@ -44,5 +42,6 @@ def xmod_train_hooks() -> TrainHooks:
         datasets_provider=providers.train_valid_test_datasets_provider,
         forward_step=step.forward_step,
         after_training_log=log,
+        after_evaluation=log.evaluation,
         log=log,
     )

@@ -254,19 +254,11 @@ class RoutingLog:
         return 3.0 * self.accounting.flops_per_token * args.consumed_train_samples * args.seq_length
 
     def _watch(self, writer, args) -> None:
-        """megatron writes ``lm loss`` (and its validation) itself; write it again against the training
-        FLOPs (in MFLOPs: tensorboard steps are 64-bit integers), for compute-matched comparisons."""
-        add_scalar = writer.add_scalar
-        log = self
+        """megatron writes ``lm loss`` (and its validation) itself; patch 23 writes it again against the
+        training FLOPs (in MFLOPs), for compute-matched comparisons."""
+        from megatron_xmod.training.patches import add_scalar_also_vs_flops
 
-        def add_scalar_and_flops(tag, value, global_step=None, *rest, **kwargs):
-            add_scalar(tag, value, global_step, *rest, **kwargs)
-            if tag in ("lm loss", "lm loss validation"):
-                flops = log.training_flops(args)
-                if flops is not None:
-                    add_scalar(f"{tag} vs training MFLOPs", value, int(round(flops / MEGA)))
-
-        writer.add_scalar = add_scalar_and_flops
+        add_scalar_also_vs_flops(writer, ("lm loss", "lm loss validation"), lambda: self.training_flops(args), MEGA)
         self._watched = writer
 
     def __call__(self, iteration: int) -> dict[str, float]:

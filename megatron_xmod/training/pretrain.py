@@ -15,7 +15,6 @@ Before training, rank 0 prints one summary block (:func:`~megatron_xmod.training
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import logging
 import os
@@ -24,6 +23,7 @@ import sys
 import warnings
 from typing import Optional
 
+from megatron_xmod import cpu_shim
 from megatron_xmod.training import patches
 
 PROG = "python -m megatron_xmod.pretrain"
@@ -38,14 +38,14 @@ CPU_ONLY_WARNINGS = (r".*Transformer Engine and Apex are not installed.*", r".*A
 # ----------------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if patches.cpu_mode():  # before anything imports megatron, which warns at import time
+    if cpu_shim.cpu_mode():  # before anything imports megatron, which warns at import time
         quiet_cpu_only_warnings()
     if "-h" in argv or "--help" in argv:
         print_help()
         return
     from megatron_xmod.training.flags import expand_arguments
 
-    with patches.cpu_patches(training=True):
+    with cpu_shim.cpu_patches(training=True):
         _pretrain(expand_arguments(argv))
 
 
@@ -55,26 +55,30 @@ def _pretrain(argv: list[str]) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
+    from megatron_xmod.training import checkpoints
     from megatron_xmod.training.hooks import xmod_train_hooks
     from megatron_xmod.training.log import startup_summary
-    from megatron_xmod.training.preflight import validate_before_training
+    from megatron_xmod.training.preflight import check_before_megatron_setup, validate_before_training
 
     sys.argv = [sys.argv[0]] + argv
     hooks = xmod_train_hooks()
     patches.skip_dataset_helper_build()
-    patches.checks_before_tokenizer()
-    with megatron_argument_dump() as dump:
+    patches.checks_before_tokenizer(check_before_megatron_setup)
+    dump = io.StringIO()
+    restore_argument_dump = patches.capture_argument_dump(dump)
+    try:
         args = parse_and_validate_args(extra_args_provider=hooks.extra_args_provider)
+    finally:
+        restore_argument_dump()
     validate_before_training(args)
     where = keep_argument_dump(args, dump.getvalue())
     if args.rank == 0:
         print(startup_summary(args, argument_dump=where), flush=True)
     patches.call_after_training_log(hooks.after_training_log)
-    patches.iteration_to_routing_state()
+    patches.call_after_evaluation(hooks.after_evaluation)
     if not args.xmod_validation_continues:
         patches.validation_from_the_start()
-    patches.checkpoint_integrity()
-    hooks.install_evaluation_log()
+    patches.checkpoint_integrity(checkpoints)
     config_container = pretrain_cfg_container_from_args(args, None)
     single_process_defaults()  # as late as possible: the free port is taken by the time megatron binds it
     pretrain(config_container, hooks.datasets_provider, ModelType.encoder_or_decoder, hooks.forward_step,
@@ -112,7 +116,7 @@ def _escape_broken_help(parser: argparse.ArgumentParser) -> None:
 
 
 def print_help() -> None:
-    with patches.cpu_patches(training=False):
+    with cpu_shim.cpu_patches(training=False):
         build_parser().print_help()
 
 
@@ -147,34 +151,14 @@ def quiet_cpu_only_warnings() -> None:
 
 
 # ----------------------------------------------------------------------------- megatron's argument dump
-@contextlib.contextmanager
-def megatron_argument_dump():
-    """Catch megatron's ~850-line argument dump (``arguments._print_args``, rank 0) in a buffer;
-    :func:`keep_argument_dump` then decides where it goes (``--xmod-megatron-args``)."""
-    import megatron.training.arguments as arguments
-
-    buffer = io.StringIO()
-    original = arguments._print_args
-
-    def print_args(title, args):
-        with contextlib.redirect_stdout(buffer):
-            original(title, args)
-
-    arguments._print_args = print_args
-    try:
-        yield buffer
-    finally:
-        arguments._print_args = original
-
-
 def keep_argument_dump(args, dump: str) -> str:
-    """console: print it as megatron does; file: ``megatron_arguments.txt`` in --save (else
+    """megatron's argument dump (caught by patch 22). console: print it as megatron does; file: ``megatron_arguments.txt`` in --save (else
     --tensorboard-dir); auto: console with a GPU (cluster logs keep it), file on CPU. Returns where."""
     if not dump:
         return "not printed (rank > 0)"
     mode = args.xmod_megatron_args
     if mode == "auto":
-        mode = "file" if patches.cpu_mode() else "console"
+        mode = "file" if cpu_shim.cpu_mode() else "console"
     if mode == "console":
         print(dump, end="", flush=True)
         return "printed above"

@@ -35,9 +35,13 @@ def build_model(args, pre_process=True, post_process=True, vp_stage=None, pg_col
         post_process=post_process, rotary_base=args.rotary_base, vp_stage=vp_stage, pg_collection=pg_collection,
         use_transformer_engine=args.transformer_impl == "transformer_engine",
     )
-    from megatron_xmod.pipeline.carry import attach_boundary_carry
+    from megatron_xmod.pipeline.carry import attach_boundary_carry, carry_channels
 
-    return attach_boundary_carry(model)  # the token-choice bias crosses pipeline stages (PP > 1)
+    if carry_channels(config):  # the token-choice bias crosses pipeline stages (PP > 1)
+        from megatron_xmod.training.patches import widen_pipeline_messages
+
+        widen_pipeline_messages()
+    return attach_boundary_carry(model)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):

@@ -19,7 +19,13 @@ from typing import Optional
 
 import torch
 
-from megatron_xmod.xmod.routing_state import eval_routing, routing_states, statistics_paused, take_microbatch_loss
+from megatron_xmod.xmod.routing_state import (
+    eval_routing,
+    routing_states,
+    set_iteration,
+    statistics_paused,
+    take_microbatch_loss,
+)
 
 NONFINITE = "nonfinite_router_logits"
 
@@ -124,6 +130,8 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     if data_iterator is None:  # megatron sets do_valid for a split it built no loader for
         raise ValueError("split: megatron asked for a batch of a split that has no data (a --split weight of 0, or "
                          "no --valid-data-path, with --eval-iters > 0); pass --eval-iters 0 or give that split data")
+    if model.training:  # megatron sets curr_iteration before each train step, restored on resume
+        set_iteration(model, get_args().curr_iteration)
     before = nonfinite_totals(model)
     batch = next(data_iterator)
     tokens, labels = batch["tokens"], batch["labels"]

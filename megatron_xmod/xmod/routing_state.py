@@ -66,8 +66,9 @@ class RoutingState:
         self._sums: dict[tuple[str, int], torch.Tensor] = {}
         self._counts: dict[tuple[str, int], int] = defaultdict(int)
         self._microbatch_losses: list[torch.Tensor] = []
-        # Training iteration being run (set before each train step by patch 15 of training/patches.py):
-        # the token-choice bias warm-up reads it. None outside training: a trained model, full tau.
+        # Training iteration being run (set_iteration, called by the entry point's forward step with
+        # megatron's args.curr_iteration): the token-choice bias warm-up reads it. None outside training:
+        # a trained model, full tau.
         self.iteration: Optional[int] = None
         # Callables (layer_number, router logits, RoutingDecision) that see every sparse layer's routing
         # as it happens (the routing report's recorder, megatron_xmod.diagnostics); empty in training.
@@ -169,6 +170,12 @@ def set_eval_routing(model_chunks, rule: str) -> None:
     check_eval_rule(rule)
     for state in routing_states(model_chunks):
         state.eval_rule = rule
+
+
+def set_iteration(model_chunks, iteration: Optional[int]) -> None:
+    """The training iteration the sparse layers of ``model_chunks`` run (the tau warm-up's clock)."""
+    for state in routing_states(model_chunks):
+        state.iteration = None if iteration is None else int(iteration)
 
 
 @contextlib.contextmanager

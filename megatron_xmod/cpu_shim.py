@@ -1,0 +1,229 @@
+"""The CPU shim: megatron-core 0.19.2 (and ``megatron.training.pretrain``) on a machine without a GPU.
+
+Patches 1-11 and 21, each naming the megatron line it targets (paths relative to ``megatron/core`` or
+``megatron/training`` of the wheel; re-check them when the pin moves). Nothing here runs where
+``torch.cuda.is_available()``: GPU runs never see these patches. The CUDA build of torch imports fine
+without a driver, but every CUDA call raises, and megatron calls CUDA unconditionally in a handful of
+places. Use ``with cpu_patches(training=...):`` around the work; the torch-function mode of patch 3 is
+entered on the way in and left on the way out, the module patches stay installed (once per process).
+
+Every other change megatron_xmod makes to megatron's behaviour, on every device, is numbered in
+:mod:`megatron_xmod.training.patches`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed = {"core": False, "training": False}
+
+
+class _CudaDeviceToCpu(TorchFunctionMode):
+    """Rewrites tensor factories' ``device="cuda"`` (or an int device) to the CPU.
+
+    pipeline_parallel/schedules.py:749/1121/2292 ``torch.zeros([], device="cuda")``,
+    training/initialize.py JIT warm-up tensors, ``tensor.cuda()`` calls in checkpointing, and
+    ``tensor.type() == "torch.cuda.FloatTensor"`` checks in the optimizer and DDP buffers.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and (str(device).startswith("cuda") or isinstance(device, int)):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs): ...
+    def record(self, *args, **kwargs): ...
+    def wait(self, *args, **kwargs): ...
+    def synchronize(self): ...
+    def query(self): return True
+    def elapsed_time(self, other): return 0.0
+
+
+class _NullStream:
+    """A singleton, so megatron's ``current_stream() != communication_stream`` is False."""
+
+    _instance = None
+
+    def __new__(cls, *args, **kwargs):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def wait_stream(self, *args, **kwargs): ...
+    def wait_event(self, *args, **kwargs): ...
+    def synchronize(self): ...
+    def record_event(self, *args, **kwargs): return _NullEvent()
+
+
+def _with_one_fake_device(fn):
+    """training/initialize.py skips ``mpu.initialize_model_parallel`` and the model-parallel seed
+    when ``torch.cuda.device_count() == 0``; report one device (and ignore set_device) meanwhile."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device_count, set_device = torch.cuda.device_count, torch.cuda.set_device
+        torch.cuda.device_count, torch.cuda.set_device = (lambda: 1), (lambda *_: None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.device_count, torch.cuda.set_device = device_count, set_device
+
+    return wrapper
+
+
+def cpu_mode() -> bool:
+    return not torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def cpu_patches(training: bool = True):
+    """Patch megatron for CPU/gloo (``training=False``: megatron-core only) for the duration of the
+    block; yields True when the patches are active (no CUDA device). The module patches stay
+    installed (idempotent); the device-rewriting torch-function mode lives only inside the block."""
+    if not cpu_mode():
+        yield False
+        return
+    if not _installed["core"]:
+        _install_core()
+        _installed["core"] = True
+    if training and not _installed["training"]:
+        _install_training()
+        _installed["training"] = True
+    # 3. mode: hard-coded device="cuda" tensors (see _CudaDeviceToCpu).
+    with _CudaDeviceToCpu():
+        yield True
+
+
+def _install_core() -> None:
+    cuda = torch.cuda
+    import megatron.core.tensor_parallel.random as tp_random
+
+    # 1. rng: tensor_parallel/random.py:104/135 and :303 (CudaRNGStatesTracker.add/fork) read and
+    #    write the CUDA generator; on CPU the tracker's states live on the CPU generator.
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    cuda.manual_seed = torch.manual_seed
+    logging.getLogger(tp_random.__name__).setLevel(logging.ERROR)
+    # 2. dev: utils.py:715 (GlobalMemoryBuffer) and DDP buffers allocate on current_device().
+    cuda.current_device = lambda: torch.device("cpu")
+    # 3. (entered by cpu_patches) _CudaDeviceToCpu.
+    # 4. sync/stream: p2p_communication.py:263/419 torch.cuda.synchronize(), timers;
+    #    distributed/param_and_grad_buffer.py:632/691 current_stream()/Stream() for overlapped
+    #    grad reduction; training.py torch.cuda.Stream(); empty_cache in checkpointing.
+    cuda.synchronize = lambda *args, **kwargs: None
+    cuda.current_stream = cuda.default_stream = lambda *args, **kwargs: _NullStream()
+    cuda.Stream, cuda.Event = _NullStream, _NullEvent
+    cuda.empty_cache = lambda: None
+    cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    # 5. moe: transformer/moe token dispatchers keep alltoall split sizes as tensors that gloo's
+    #    all_to_all_single rejects; megatron moves them to host only when CUDA is used.
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    def _to_host(tensor, as_numpy=False, record_stream=False):
+        return tensor.detach().cpu().numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _to_host
+    # 21. sp-norm: transformer/torch_norm.py:50 WrappedTorchNorm.__new__ asserts not
+    #     config.sequence_parallel; GPU runs use TransformerEngine's TENorm, which supports it.
+    _sequence_parallel_torch_norm()
+
+
+class _ConfigWithoutSequenceParallel:
+    """``config`` as WrappedTorchNorm reads it, with ``sequence_parallel`` False (patch 21)."""
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name):
+        return False if name == "sequence_parallel" else getattr(self._config, name)
+
+
+def _sequence_parallel_torch_norm() -> None:
+    """21. transformer/torch_norm.py:50 ``WrappedTorchNorm.__new__`` asserts ``not
+    config.sequence_parallel``, so the local spec (every CPU run) cannot use sequence parallelism.
+    A norm is elementwise along the sequence, so on a sequence shard torch's LayerNorm/RMSNorm is
+    right as is; only its weight gradients are partial sums over this rank's tokens. As
+    TransformerEngine's TENorm does, the norm's parameters are tagged ``sequence_parallel = True``,
+    and megatron's finalize_model_grads all-reduces them across the TP group
+    (distributed/finalize_model_grads.py ``_allreduce_non_tensor_model_parallel_grads``). megatron's
+    other assertions (zero-centred gamma, persist / memory-efficient layer norm) still apply. The
+    class is patched in place, since the layer specs hold it (models/gpt/gpt_layer_specs.py:75
+    ``LNImpl = WrappedTorchNorm``); without sequence parallelism nothing changes."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+
+    @functools.wraps(original)
+    def __new__(cls, config, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return original(cls, config, *args, **kwargs)
+        norm = original(cls, _ConfigWithoutSequenceParallel(config), *args, **kwargs)
+        for parameter in norm.parameters():
+            parameter.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = __new__
+
+
+def _install_training() -> None:
+    import megatron.training.arguments as arguments
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+
+    # 6. training/initialize.py:66 asserts CUDA unless allow_no_cuda=True, which pretrain() never passes.
+    training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
+    # 7. initialize._initialize_distributed / _set_random_seed gate on device_count() > 0.
+    initialize._initialize_distributed = _with_one_fake_device(initialize._initialize_distributed)
+    initialize._set_random_seed = _with_one_fake_device(initialize._set_random_seed)
+    # 8. (not CPU-specific: patch 12) _compile_dependencies runs `make -C megatron/core/datasets`.
+    # 9. arguments.py:1414 get_device_arch_version() queries cuda:0 properties when TP/CP > 1,
+    #    and arguments.py:1437 wants CUDA_DEVICE_MAX_CONNECTIONS=1.
+    arguments.get_device_arch_version = lambda: 0
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # 11. training.py:1117 set_jit_fusion_options -> initialize.py:508-547 warms the fused kernels up
+    #     with torch.rand(..., device="cuda") in sizes that depend on the TP size. On a GPU that draws
+    #     from the CUDA generator; here it would draw from the CPU generator that --use-cpu-
+    #     initialization uses next, so TP=1 and TP=2 would start from different weights.
+    warmup = training.set_jit_fusion_options
+
+    @functools.wraps(warmup)
+    def set_jit_fusion_options(*args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            return warmup(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    training.set_jit_fusion_options = set_jit_fusion_options
+    # 10. Distributed optimizer without Apex/TE falls back to torch AdamW, whose state is empty
+    #     before the first step: distrib_optimizer.py:839 `assert len(steps) == 1` on save, and
+    #     distrib_optimizer.py:1225 copies into a view of a leaf that requires grad on load.
+    from megatron.core.optimizer import distrib_optimizer
+
+    original_state_dict = distrib_optimizer.DistributedOptimizer.state_dict
+
+    def state_dict(self):
+        if not distrib_optimizer.HAVE_APEX_OR_TE and len(self.optimizer.state) == 0:
+            self._init_optimizer_states_with_dummy_values()
+        return original_state_dict(self)
+
+    distrib_optimizer.DistributedOptimizer.state_dict = state_dict
+    setter = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
+    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = torch.no_grad()(setter)
