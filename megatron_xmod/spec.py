@@ -4,7 +4,7 @@ Megatron-LM's ``pretrain_gpt.py`` (``gpt_builders.gpt_builder``) imports the obj
 ``--spec MODULE NAME`` and hands it, uncalled, to ``GPTModel`` with megatron's plain
 ``TransformerConfig``; megatron's ``GPTModelBuilder`` does the same with a ``ModuleSpec``. A layer
 ``ModuleSpec`` is built once per layer of the local pipeline stage, so each spec here is one
-:class:`LayoutLayer` spec that builds, at every position of its layout, the layer the layout puts
+:class:`LayoutSpecLayer` spec that builds, at every position of its layout, the layer the layout puts
 there (megatron's own ``TransformerLayer`` or an :class:`~megatron_xmod.xmod.layers.XModSparseLayer`).
 Pipeline stages therefore each build their own layers, with the routing settings carried in the
 spec's params.
@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import importlib
 import sys
-from typing import Optional
+from typing import ClassVar, Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -44,28 +44,35 @@ from megatron_xmod.xmod.layout import NAMED_LAYOUTS, Layout, parse_layout
 from megatron_xmod.xmod.routing import SparseLayerRouting
 from megatron_xmod.xmod.routing_state import RoutingState
 
+# SparseLayerRouting's fields that every sparse layer of a layout shares (the others come from the layout).
+_PER_LAYER_FIELDS = ("family", "sparsity_k", "block", "index_in_block")
+SHARED_ROUTING_FIELDS = tuple(f.name for f in dataclasses.fields(SparseLayerRouting) if f.name not in _PER_LAYER_FIELDS)
+
 
 @dataclasses.dataclass(frozen=True)
 class LayoutSpecParams:
-    """The data a :class:`LayoutLayer` spec carries: the layout and the routing settings every sparse
-    layer of it shares (their per-layer K and block position come from the layout)."""
+    """The data a :class:`LayoutSpecLayer` spec carries: the layout, its family, and the
+    :class:`~megatron_xmod.xmod.routing.SparseLayerRouting` settings its sparse layers share (``routing``:
+    (field, value) pairs; their per-layer K and block position come from the layout)."""
 
     layout: str
     family: str = "xmod"
-    token_choice_bias_tau: float = 0.5
-    token_choice_bias_increment: float = 1.0
-    router_bce_coeff: float = 1e-4
-    gate_scale_init: float = 1.0
+    routing: tuple[tuple[str, object], ...] = ()
 
     def parsed(self) -> Layout:
         # Every layer of a stage asks; parse the (up to ~300-layer) layout once per spec.
         return _parse_layout_cached(self.layout, self.family)
 
-    def routing(self, position: int) -> SparseLayerRouting:
-        return SparseLayerRouting.at(
-            self.parsed().layers[position], self.family, token_choice_bias_tau=self.token_choice_bias_tau,
-            token_choice_bias_increment=self.token_choice_bias_increment, router_bce_coeff=self.router_bce_coeff,
-            gate_scale_init=self.gate_scale_init)
+    def routing_at(self, position: int) -> SparseLayerRouting:
+        """The spec params of the sparse layer at 0-based layout ``position``."""
+        return SparseLayerRouting.at(self.parsed().layers[position], self.family, **dict(self.routing))
+
+    @property
+    def token_choice_bias_tau(self) -> float:
+        return dict(self.routing).get("token_choice_bias_tau", _ROUTING_DEFAULTS["token_choice_bias_tau"])
+
+
+_ROUTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SparseLayerRouting)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -109,17 +116,39 @@ def _layer_submodules(config, submodules):
     return dataclasses.replace(built, self_attention=attention)
 
 
-class LayoutLayer(TransformerLayer):
+@dataclasses.dataclass
+class SpecChunkBuild:
+    """The model chunk being built from a layout spec. megatron builds a chunk's layers in order, from
+    local layer 1, handing each the same process-group collection (``pg_collection``; without one, the
+    same config); the build travels on that object from the chunk's first layer to its last, where it
+    is removed: nothing outlives the build, and two models built from one spec get two states."""
+
+    ATTRIBUTE: ClassVar[str] = "_xmod_spec_chunk_build"
+
+    state: RoutingState
+    vp_stage: Optional[int]
+    next_layer: int
+    last_layer: int
+
+    @classmethod
+    def step(cls, anchor, layer_number: int, vp_stage: Optional[int], last_layer: int) -> SpecChunkBuild:
+        """The build that local layer ``layer_number`` belongs to (started at layer 1)."""
+        if layer_number == 1:
+            setattr(anchor, cls.ATTRIBUTE, cls(RoutingState(), vp_stage, 1, last_layer))
+        build = getattr(anchor, cls.ATTRIBUTE, None)
+        if build is None or build.next_layer != layer_number or build.vp_stage != vp_stage:
+            raise RuntimeError(f"LayoutSpecLayer: layer {layer_number} of a model chunk was built out of order; "
+                               "megatron builds a chunk's layers in order from local layer 1")
+        build.next_layer += 1
+        if layer_number == last_layer:
+            delattr(anchor, cls.ATTRIBUTE)
+        return build
+
+
+class LayoutSpecLayer(TransformerLayer):
     """Builds the layer its layout puts at this position (a subclass of ``TransformerLayer`` only so
-    that megatron's block accepts the spec; instances are megatron's or our own layer classes).
-
-    The sparse layers of one model chunk share one :class:`RoutingState`. megatron builds a chunk's
-    layers in order, in one loop, from local layer 1; the state is started at local layer 1 and
-    handed to the chunk's later layers through ``_chunk_state``, which is cleared again after the
-    chunk's last layer: nothing outlives the build, and two models built from one spec get two states.
-    """
-
-    _chunk_state: Optional[RoutingState] = None
+    that megatron's block accepts the spec; instances are megatron's or our own layer classes). The
+    sparse layers of one model chunk share one :class:`RoutingState` (:class:`SpecChunkBuild`)."""
 
     def __new__(cls, config, submodules=None, layer_number: int = 1, *, xmod: LayoutSpecParams, **kwargs):
         from megatron_xmod.xmod.layers import XModSparseLayer
@@ -139,20 +168,18 @@ class LayoutLayer(TransformerLayer):
         submodules = _layer_submodules(config, submodules)
         if layer_number == 1:
             check_chunk_start(xmod, position)
-            LayoutLayer._chunk_state = RoutingState()
-        state = LayoutLayer._chunk_state
-        if layer_number == get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank):
-            LayoutLayer._chunk_state = None
+        last_layer = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        build = SpecChunkBuild.step(config if pg_collection is None else pg_collection, layer_number, vp_stage,
+                                    last_layer)
+        if layer_number == last_layer:
             first = position + 2 - layer_number
             routed = sum(layer.is_sparse for layer in layout.layers[first - 1 : position + 1])
             print(f"[xmod] --spec built layers {first}-{position + 1} of {layout.num_layers} ({routed} routed, "
                   f"{layout.family}): {layout.notation}", flush=True)
         if not layout.layers[position].is_sparse:
             return TransformerLayer(config, submodules, layer_number, **kwargs)
-        layer = XModSparseLayer(config, submodules, layer_number, routing=xmod.routing(position), **kwargs)
-        if state is None:
-            raise RuntimeError("LayoutLayer: layers of a model chunk were not built in order from local layer 1")
-        layer.routing_state = state
+        layer = XModSparseLayer(config, submodules, layer_number, routing=xmod.routing_at(position), **kwargs)
+        layer.routing_state = build.state
         return layer
 
 
@@ -176,11 +203,18 @@ def check_chunk_start(xmod: LayoutSpecParams, position: int) -> None:
 
 
 def layout_spec(layout: str, family: str = "xmod", **routing) -> ModuleSpec:
-    """A ``--spec`` object for any layout; ``routing``: token_choice_bias_tau, token_choice_bias_increment,
-    router_bce_coeff, gate_scale_init (the ``--xmod-*`` defaults otherwise)."""
-    params = LayoutSpecParams(layout, family, **routing)
-    params.parsed()  # a bad layout fails at import, naming the field
-    return ModuleSpec(module=LayoutLayer, params={"xmod": params}, submodules=LayoutSubmodules())
+    """A ``--spec`` object for any layout; ``routing``: any of :data:`SHARED_ROUTING_FIELDS`
+    (token_choice_bias_tau, token_choice_bias_increment, router_bce_coeff, gate_scale_init,
+    gate_scale_learnable, token_choice_bias_tau_warmup; the ``--xmod-*`` defaults otherwise)."""
+    unknown = sorted(set(routing) - set(SHARED_ROUTING_FIELDS))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a routing setting of a layout spec; use {', '.join(SHARED_ROUTING_FIELDS)}")
+    params = LayoutSpecParams(layout, family, tuple(sorted(routing.items())))
+    parsed = params.parsed()  # a bad layout fails at import, naming the field
+    first_sparse = next((i for i, layer in enumerate(parsed.layers) if layer.is_sparse), None)
+    if first_sparse is not None:
+        params.routing_at(first_sparse)  # and so does a bad setting
+    return ModuleSpec(module=LayoutSpecLayer, params={"xmod": params}, submodules=LayoutSubmodules())
 
 
 dense = layout_spec(NAMED_LAYOUTS["dense"][1], family="dense")
@@ -197,7 +231,7 @@ def resolve(module: str, name: str) -> ModuleSpec:
     obj = getattr(importlib.import_module(module), name, None)
     if obj is None:
         raise AttributeError(f"--spec: module {module!r} has no {name!r}")
-    if not (isinstance(obj, ModuleSpec) and obj.module is this.LayoutLayer):
+    if not (isinstance(obj, ModuleSpec) and obj.module is this.LayoutSpecLayer):
         raise TypeError(f"--spec: {module}.{name} is not a megatron_xmod layout spec (make it with "
                         "megatron_xmod.spec.layout_spec(...))")
     return obj

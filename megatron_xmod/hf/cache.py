@@ -53,12 +53,6 @@ class SparseKVLayer(DynamicLayer):
             self.positions = torch.cat([self.positions, positions], dim=-1)
         return self.keys, self.values, self.valid
 
-    def state(self):
-        """(keys, values, valid) so far, or Nones before the first update."""
-        if not self.is_initialized:
-            return None, None, None
-        return self.keys, self.values, self.valid
-
     def reset(self) -> None:
         self.valid = self.positions = None
         super().reset()
@@ -103,9 +97,6 @@ class XModCache(Cache):
         sparse_layers = sparse_layers or [False] * num_layers
         super().__init__(layers=[SparseKVLayer(sparse=bool(s)) for s in sparse_layers])
         self.seen_tokens = 0
-
-    def layer_state(self, layer_idx: int):
-        return self.layers[layer_idx].state()
 
     def update(self, key_states, value_states, layer_idx: int, valid=None, positions=None, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states, valid, positions)

@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from megatron_xmod.training.checkpoints import CheckpointError
+
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -35,10 +37,6 @@ class LoadedCheckpoint:
     args: argparse.Namespace  # megatron's arguments saved with the checkpoint
     iteration: int  # 0 for a release checkpoint
     path: Path  # the iteration folder that was read
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be read (names the field, e.g. ``load`` or ``iteration``)."""
 
 
 # ---------------------------------------------------------------------------------------------- locating

@@ -33,12 +33,12 @@ try:  # an exported folder: the verbatim copies next to this file
     from .cache import XModCache
     from .configuration_xmod import XModHFConfig
     from .moe_scores import normalize_routing_logits, top_p_routing, topk_routing
-    from .routing import padded_selection, route, update_token_choice_bias
+    from .routing import gated_residual, padded_selection, route, update_token_choice_bias
 except ImportError:  # inside the megatron_xmod package
     from megatron_xmod.hf.cache import XModCache
     from megatron_xmod.hf.configuration_xmod import XModHFConfig
     from megatron_xmod.moe.scores import normalize_routing_logits, top_p_routing, topk_routing
-    from megatron_xmod.xmod.routing import padded_selection, route, update_token_choice_bias
+    from megatron_xmod.xmod.routing import gated_residual, padded_selection, route, update_token_choice_bias
 
 # transformers 5 names the cache "cache"; 4.x named it "past_key_values".
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -238,11 +238,11 @@ class XModDecoderLayer(nn.Module):
         routed = torch.gather(x, 1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         attention, mlp = self._attention_and_mlp(routed, torch.gather(positions, 1, indices),
                                                  keep & torch.gather(valid, 1, indices), cache)
-        r = torch.sigmoid(torch.gather(decision.scores.t(), 1, indices)).to(x.dtype) * keep.to(x.dtype)
-        if cfg.routing_family == "xmod":  # Eq.(7): x + varsigma * r * (a + f)
-            update = (self.gate_scale * r).unsqueeze(-1) * (attention + mlp)
-        else:  # Eq.(6), MoD: x + a + r * f
-            update = keep.to(x.dtype).unsqueeze(-1) * (attention + r.unsqueeze(-1) * mlp)
+        r = torch.sigmoid(torch.gather(decision.scores.t(), 1, indices)).to(x.dtype)
+        # Eq.(7) x + varsigma * r * (a + f), or Eq.(6) x + a + r * f (MoD)
+        delta, gate = gated_residual(cfg.routing_family, attention, mlp, r, getattr(self, "gate_scale", None),
+                                     keep.to(x.dtype))
+        update = gate.unsqueeze(-1) * delta
         return x.scatter_add(1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]), update), bias
 
 

@@ -341,9 +341,3 @@ def dtopp_finalize_model_grads(model, *args, **kwargs):
     result = finalize_model_grads(model, *args, **kwargs)
     update_dtopp_controllers(model)
     return result
-
-
-def controller_state(model_chunks) -> dict[str, float]:
-    """Per-layer thresholds, for logging (host sync: call at log time only)."""
-    return {f"dtopp_threshold/layer_{r.layer_number:03d}": float(r.dtopp_threshold[0])
-            for r in dtopp_routers(model_chunks, training_only=False)}

@@ -32,7 +32,8 @@ _CHUNK = 8 << 20
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that must not be loaded or written; the message names the file and the fix."""
+    """A checkpoint that must not be loaded or written, or a folder that cannot be read as one (training,
+    export, import); the message names the file or the field and the fix."""
 
 
 # ----------------------------------------------------------------------------- names

@@ -27,6 +27,7 @@ from megatron_xmod.xmod.kernels import routing_step
 from megatron_xmod.xmod.permute import gather_tokens, scatter_gated
 from megatron_xmod.xmod.routing import (
     SparseLayerRouting,
+    gated_residual,
     jaccard_tensor,
     padded_selection,
     router_bce_loss,
@@ -188,8 +189,8 @@ class XModSparseLayer(TransformerLayer):
         rule = "topk" if self.training else state.eval_rule
         tau = routing.effective_tau(state.iteration)  # during a training run the warm-up's value, else the full tau
         # Eq.(8) adjustment, top-k in position order, bias update: one fused kernel on GPU (megatron_xmod.xmod.kernels).
-        decision, bias, _ = routing_step(logits, routing.sparsity_k, rule, carried_bias, tau,
-                                         routing.token_choice_bias_increment, need_gate=False)
+        decision, bias, gate = routing_step(logits, routing.sparsity_k, rule, carried_bias, tau,
+                                            routing.token_choice_bias_increment)
         state.observe(self.layer_number, logits, decision)
         state.record("nonfinite_router_logits", self.layer_number, (~torch.isfinite(logits)).sum())  # no host sync
         state.put_bias(self.layer_number, bias, decision.selected)
@@ -197,7 +198,8 @@ class XModSparseLayer(TransformerLayer):
             self._record_metrics(state, decision, bias, previous_selected)
 
         if decision.topk_indices is not None:
-            output = self._routed_update(hidden_states, decision.topk_indices, decision.scores, rotary_pos_emb)
+            output = self._routed_update(hidden_states, decision.topk_indices, decision.scores, rotary_pos_emb,
+                                         gate=gate)
         elif isinstance(self.self_attention.core_attention, SDPAttention):
             # Threshold routing selects a different number of tokens per sequence: pad to the longest
             # and mask the padding out of attention (SDPA takes the explicit mask).
@@ -270,18 +272,23 @@ class XModSparseLayer(TransformerLayer):
             return flat_rows(decision.topk_indices, decision.topk_indices.shape[1])
         return decision.selected[self._local_rows(local_len)].reshape(-1).nonzero().squeeze(1)
 
-    def _routed_update(self, hidden_states, indices, scores, rotary_pos_emb, valid=None):
+    def _gate_scale(self):
+        return getattr(self, "gate_scale", None)  # varsigma of Eq.(7); MoD has none
+
+    def _routed_update(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None):
+        """x with the routed tokens ``indices`` updated; ``gate``: their sigmoid(score), when the routing
+        step computed it already (top-k training)."""
         if self.config.sequence_parallel:
             return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid)
         routed = gather_tokens(hidden_states, indices)
         attention_mask = _padding_mask(valid)
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
-        r = torch.sigmoid(torch.gather(scores, 0, indices)).to(hidden_states.dtype)  # [k, b]
+        if gate is None:
+            gate = torch.sigmoid(torch.gather(scores, 0, indices))
+        r = gate.to(hidden_states.dtype)  # [k, b]
         keep = torch.ones_like(r) if valid is None else valid.to(r.dtype)
-        if self.routing.family == "xmod":  # Eq.(7): x + varsigma * r * (a + f)
-            return scatter_gated(hidden_states, attention + mlp, self.gate_scale * r * keep, indices)
-        # Eq.(6), MoD: x + a + r * f
-        return scatter_gated(hidden_states, attention + r.unsqueeze(-1) * mlp, keep, indices)
+        delta, gate = gated_residual(self.routing.family, attention, mlp, r, self._gate_scale(), keep)
+        return scatter_gated(hidden_states, delta, gate, indices)
 
     def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None):
         """Sequence parallel: ``hidden_states`` is this rank's slice [s/T, b, h] of the sequence and
@@ -311,10 +318,8 @@ class XModSparseLayer(TransformerLayer):
         part = slice(rank * routed.shape[0], (rank + 1) * routed.shape[0])
         r = torch.sigmoid(torch.gather(scores, 0, indices[part])).to(hidden_states.dtype)
         keep = real[part].to(r.dtype)
-        if self.routing.family == "xmod":  # Eq.(7), as scatter_gated computes it
-            update = (self.gate_scale * r * keep).unsqueeze(-1).to(attention.dtype) * (attention + mlp)
-        else:  # Eq.(6)
-            update = keep.unsqueeze(-1).to(attention.dtype) * (attention + r.unsqueeze(-1) * mlp)
+        delta, gate = gated_residual(self.routing.family, attention, mlp, r, self._gate_scale(), keep)
+        update = gate.unsqueeze(-1).to(delta.dtype) * delta  # as scatter_gated applies it
         update = gather_from_sequence_parallel_region(update, tensor_parallel_output_grad=True, group=group)
         flat_mine = mine.reshape(-1).nonzero().squeeze(1)
         destination = flat_rows(local, batch)[flat_mine]

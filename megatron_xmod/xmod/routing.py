@@ -9,7 +9,8 @@ megatron: scores are ``[s, b]`` (sequence first).
   depends on nothing but the token's own state (deployable autoregressively);
 - token-choice bias b (Eq.8): carried across the consecutive sparse layers of a block, raised by
   ``increment`` whenever a token is selected, reset at the dense anchor;
-- router BCE (Eq.9) between the threshold prediction and the top-k choice.
+- router BCE (Eq.9) between the threshold prediction and the top-k choice;
+- the gated residual update of the routed tokens: MoD's Eq.(6) and X-MoD's Eq.(7).
 """
 from __future__ import annotations
 
@@ -150,6 +151,23 @@ def router_bce_loss(scores: torch.Tensor, selected: torch.Tensor) -> torch.Tenso
     Eq.(9) verbatim, p_i = sigmoid(s_i)).
     """
     return F.binary_cross_entropy_with_logits(scores.float(), selected.to(torch.float32))
+
+
+def gated_residual(family: str, attention: torch.Tensor, mlp: torch.Tensor, r: torch.Tensor,
+                   gate_scale: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None):
+    """The update of the routed tokens as ``(delta, gate)``, applied as x + gate * delta on their rows.
+
+    - X-MoD, Eq.(7): x + varsigma * r * (a + f): delta = a + f, gate = varsigma * r;
+    - MoD, Eq.(6): x + a + r * f: delta = a + r * f, gate = 1.
+
+    ``attention``/``mlp`` are a and f of the routed tokens ``[..., h]``, ``r`` their router weights
+    sigmoid(s - tau*b) (shape ``[...]``), ``keep`` 1 for a routed token and 0 for padding of a padded
+    batch (None: no padding). The gate is kept apart from delta so that a fused gated scatter can apply it.
+    """
+    if family == "xmod":
+        gate = gate_scale * r
+        return attention + mlp, gate if keep is None else gate * keep
+    return attention + r.unsqueeze(-1) * mlp, torch.ones_like(r) if keep is None else keep
 
 
 class RoutingDecision(NamedTuple):

@@ -52,25 +52,23 @@ class RoutingStep(NamedTuple):
 
 
 def routing_step_torch(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias: Optional[torch.Tensor],
-                       tau: float, increment: float, need_gate: bool = True) -> RoutingStep:
+                       tau: float, increment: float) -> RoutingStep:
     """The reference: the rules of :mod:`megatron_xmod.xmod.routing`, op by op."""
     decision = route(logits, sparsity_k, rule, carried_bias, tau)
     bias = update_token_choice_bias(carried_bias, decision.selected, increment)
     gate = None
-    if need_gate and decision.topk_indices is not None:
+    if decision.topk_indices is not None:
         gate = torch.sigmoid(torch.gather(decision.scores, 0, decision.topk_indices))
     return RoutingStep(decision, bias, gate)
 
 
 def routing_step(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias: Optional[torch.Tensor] = None,
-                 tau: float = 0.0, increment: float = 1.0, *, need_gate: bool = True,
-                 backend: Optional[str] = None) -> RoutingStep:
-    """Route one sparse layer from its router logits [s, b] (fp32); see the module docstring.
-    ``need_gate=False`` lets the torch path skip the gate (the fused kernel writes it anyway)."""
+                 tau: float = 0.0, increment: float = 1.0, *, backend: Optional[str] = None) -> RoutingStep:
+    """Route one sparse layer from its router logits [s, b] (fp32); see the module docstring."""
     name = "torch" if rule != "topk" else _select(backend, logits)
     launch_counts[name] += 1
     if name == "torch":
-        return routing_step_torch(logits, sparsity_k, rule, carried_bias, tau, increment, need_gate)
+        return routing_step_torch(logits, sparsity_k, rule, carried_bias, tau, increment)
     k = topk_count(logits.shape[0], sparsity_k)
     carried = None if carried_bias is None else carried_bias.detach().float().contiguous()
     logits32 = logits if logits.dtype == torch.float32 else logits.float()
