@@ -44,7 +44,7 @@ VIEW_OPS = {
 }
 PATHS = ("torch", "fused")
 # Frames that only pass ops through (the CPU patches' device mode, the kernels' launchers).
-ORIGIN_SKIP = ("training/patches.py", "/kernels/triton", "/permute/triton", "/permute/dispatch.py")
+ORIGIN_SKIP = ("cpu_shim.py", "training/patches.py", "/kernels/triton", "/permute/triton", "/permute/dispatch.py")
 LAYERS = ("dense", "xmod_sparse", "mod_sparse")
 
 
