@@ -3,7 +3,8 @@
 ``--xmod-backbone`` expands a backbone into megatron's architecture flags and ``--xmod-model`` a
 model name into an explicit layout (placed before the user's flags, so explicit flags still win);
 ``--moe-preset`` expands into megatron's MoE flags (:mod:`megatron_xmod.moe.args`). The command
-line is read once, by :func:`scan_argv`, before megatron parses it.
+line is read by one function, :func:`scan_argv`, before megatron parses it: as given, then once more with
+the backbone's flags in front (what the MoE and pipeline expansions read).
 """
 from __future__ import annotations
 
@@ -151,7 +152,7 @@ def expand_arguments(argv: list[str]) -> list[str]:
     argv = drop_flags(argv, _LAYOUT_FLAGS)
     tail = ["--xmod-routing-family", layout.family, "--xmod-layout", layout.notation]
     if pre.xmod_model and not is_moe_model_name(pre.xmod_model):
-        tail += ablation_flags(pre.xmod_model, argv)
+        tail += ablation_flags(pre.xmod_model, argv, pre)
     if pre.num_layers is None:
         head += ["--num-layers", str(layout.num_layers)]
     if layout.num_sparse_layers:
@@ -171,18 +172,19 @@ def expand_arguments(argv: list[str]) -> list[str]:
 
     # MoE presets size their experts from --ffn-hidden-size, which the backbone expansion provides.
     expanded = head + argv + tail
-    expanded = expand_moe_arguments(expanded, scan_argv(expanded))
+    scanned = scan_argv(expanded)  # as megatron will parse it: the backbone's flags, then the user's
+    expanded = expand_moe_arguments(expanded, scanned)
     if pre.xmod_pipeline_balance == "auto":
-        expanded = balanced_layout_flags(expanded, layout)
+        expanded = balanced_layout_flags(expanded, scanned, layout)
     return expanded
 
 
-def balanced_layout_flags(argv: list[str], layout) -> list[str]:
-    """``argv`` with the cost-balanced ``--pipeline-model-parallel-layout`` of ``layout`` added; unchanged
-    when the run is not pipelined or its user split it already (``--xmod-pipeline-balance auto``)."""
+def balanced_layout_flags(argv: list[str], scanned: argparse.Namespace, layout) -> list[str]:
+    """``argv`` (read as ``scanned``) with the cost-balanced ``--pipeline-model-parallel-layout`` of
+    ``layout`` added; unchanged when the run is not pipelined or its user split it already
+    (``--xmod-pipeline-balance auto``)."""
     from megatron_xmod.pipeline.auto import backbone_from_architecture, balanced_layout
 
-    scanned = scan_argv(argv)
     pipeline_size = scanned.pipeline_model_parallel_size or 1
     if pipeline_size < 2 or any(getattr(scanned, flag[2:].replace("-", "_")) is not None
                                 for flag in _USER_PIPELINE_SPLIT):
@@ -195,16 +197,15 @@ def balanced_layout_flags(argv: list[str], layout) -> list[str]:
     return drop_flags(argv, _VIRTUAL_STAGE_FLAGS) + ["--pipeline-model-parallel-layout", pipeline_layout]
 
 
-def ablation_flags(model: str, argv: list[str]) -> list[str]:
+def ablation_flags(model: str, argv: list[str], explicit: argparse.Namespace) -> list[str]:
     """The --xmod-* flags of a model name's settings ablations (``-no-bias``: tau 0; ``-no-gate-scale``:
-    varsigma fixed at 1); refuses an explicit flag that contradicts them."""
+    varsigma fixed at 1); refuses an explicit flag (in ``argv``, read as ``explicit``) that contradicts them."""
     settings = ablation_settings(model)
     flags = []
     if "xmod_token_choice_bias_tau" in settings:
         flags += ["--xmod-token-choice-bias-tau", "0"]
     if "xmod_gate_scale_learnable" in settings:
         flags += ["--xmod-fixed-gate-scale", "--xmod-gate-scale-init", "1"]
-    explicit = scan_argv(argv)
     if flags and "-no-bias" in model and explicit.xmod_token_choice_bias_tau != 0 and any(
             a.split("=", 1)[0] == "--xmod-token-choice-bias-tau" for a in argv):
         raise LayoutError(f"xmod_token_choice_bias_tau: {model!r} is the ablation without the token-choice bias "
