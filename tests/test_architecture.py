@@ -166,3 +166,87 @@ def test_the_checker_finds_a_planted_circle_and_an_upward_edge(tmp_path):
     assert upward_edges(graph) == ["megatron_xmod.xmod.routing (routing) imports megatron_xmod.training.step (training)"]
     with pytest.raises(AssertionError, match="megatron_xmod.elsewhere: on no layer"):
         layer_of("megatron_xmod.elsewhere")
+
+
+# The only modules that may assign to megatron's attributes (the CPU shim, the numbered patches).
+MEGATRON_BOUNDARY = ("megatron_xmod.cpu_shim", "megatron_xmod.training.patches")
+
+
+def megatron_assignments(path: Path) -> list[str]:
+    """``name.attr = ...`` / ``setattr(name, ...)`` where ``name`` was imported from megatron in that file."""
+    tree = ast.parse(path.read_text(), str(path))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("megatron."))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron.") and not node.level:
+            imported.update(a.asname or a.name for a in node.names)
+
+    def root(node):
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            if isinstance(target, ast.Attribute) and root(target) in imported:
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(target)} = ...")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and node.args and root(node.args[0]) in imported:
+            found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_megatron_is_changed_only_at_the_boundary():
+    found = [hit for name, path in module_files().items() if name not in MEGATRON_BOUNDARY
+             for hit in megatron_assignments(path)]
+    assert not found, ("changes to megatron outside cpu_shim.py and training/patches.py (number them there):\n  "
+                       + "\n  ".join(found))
+    assert megatron_assignments(PACKAGE / "training" / "patches.py") == []  # it changes megatron through install()
+    planted = PACKAGE.parent / "tests" / "_planted_patch.py"
+    try:
+        planted.write_text("import megatron.training.training as training\n\ntraining.evaluate = None\n")
+        assert megatron_assignments(planted) == ["_planted_patch.py:3 training.evaluate = ..."]
+    finally:
+        planted.unlink()
+
+
+def test_numbered_patches_install_once_and_are_listed():
+    import types
+
+    from megatron_xmod.training.patches import install, installed
+
+    owner = types.SimpleNamespace(__name__="fake_megatron_module", step=lambda x: x + 1)
+    wrapped = []
+
+    def make_wrapper(original):
+        wrapped.append(original)
+        return lambda x: original(x) * 10
+
+    first = install(99, owner, "step", make_wrapper)
+    again = install(99, owner, "step", make_wrapper)
+    assert first is again and len(wrapped) == 1 and owner.step(1) == 20  # wrapped once, not twice
+    assert installed()[99] == "fake_megatron_module.step"
+
+
+def test_the_argument_dump_patch_is_undone():
+    import argparse
+    import io
+
+    import megatron.training.arguments as arguments
+
+    from megatron_xmod.training.patches import capture_argument_dump, installed
+
+    original = arguments._print_args
+    buffer = io.StringIO()
+    restore = capture_argument_dump(buffer)
+    try:
+        assert arguments._print_args is not original and 22 in installed()
+        arguments._print_args("arguments", argparse.Namespace(seed=7))
+    finally:
+        restore()
+    assert arguments._print_args is original and 22 not in installed()
+    assert "seed" in buffer.getvalue()

@@ -51,6 +51,15 @@ def install(number: int, owner, name: str, make_wrapper: Callable[[Callable], Ca
     return wrapper
 
 
+def uninstall(number: int, owner, name: str) -> None:
+    """Put megatron's own ``owner.<name>`` back where patch ``number`` is installed (for patches that
+    live only for a block of work)."""
+    current = getattr(owner, name)
+    if getattr(current, "_xmod_patch", None) == number:
+        setattr(owner, name, current.__wrapped__)
+        _INSTALLED.pop(number, None)
+
+
 def installed() -> dict[int, str]:
     """{patch number: the megatron attribute it replaced} of this process."""
     return dict(_INSTALLED)
@@ -288,22 +297,15 @@ def capture_argument_dump(buffer) -> Callable[[], None]:
     import megatron.training.arguments as arguments
 
     def make_wrapper(original):
-        @functools.wraps(original)
+        @functools.wraps(original)  # sets __wrapped__, which uninstall() puts back
         def print_args(title, args):
             with contextlib.redirect_stdout(print_args.buffer):
                 original(title, args)
 
-        print_args.original = original
         return print_args
 
-    wrapper = install(22, arguments, "_print_args", make_wrapper)
-    wrapper.buffer = buffer
-
-    def restore() -> None:
-        arguments._print_args = wrapper.original
-        _INSTALLED.pop(22, None)
-
-    return restore
+    install(22, arguments, "_print_args", make_wrapper).buffer = buffer
+    return functools.partial(uninstall, 22, arguments, "_print_args")
 
 
 def add_scalar_also_vs_flops(writer, tags: tuple[str, ...], flops: Callable[[], float | None],
