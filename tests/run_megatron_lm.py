@@ -6,7 +6,8 @@ The only things done before handing over: the plugin's CPU compatibility layer
 (``megatron_xmod.cpu_shim.cpu_patches``, a no-op on a GPU machine), skipping the dataset
 helpers' ``make`` (the pip wheel ships them built), and putting Megatron-LM's folder (for its
 ``gpt_builders`` / ``model_provider`` imports) and tests/ (for ``--spec spec_models ...``) on the path.
-``MEGATRON_LM_DIR`` points at another checkout.
+``MEGATRON_LM_DIR`` points at another checkout; by default ``../shared/reference/`` beside this
+checkout, or beside the main checkout when this one is a git worktree elsewhere.
 """
 import os
 import runpy
@@ -14,7 +15,23 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MEGATRON_LM_DIR = Path(os.environ.get("MEGATRON_LM_DIR", HERE.parents[1] / "shared/reference/megatron-lm-core_v0.19.0"))
+REFERENCE = "shared/reference/megatron-lm-core_v0.19.0"
+
+
+def _default_megatron_lm_dir() -> Path:
+    """``../shared/reference/...`` of this checkout, else of the main checkout of a git worktree (its
+    ``.git`` file reads ``gitdir: <main>/.git/worktrees/<name>``)."""
+    checkout = HERE.parent
+    candidates = [checkout.parent / REFERENCE]
+    git = checkout / ".git"
+    if git.is_file() and git.read_text().startswith("gitdir:"):
+        gitdir = (checkout / git.read_text().split(":", 1)[1].strip()).resolve()
+        if gitdir.parent.name == "worktrees":
+            candidates.append(gitdir.parents[2].parent / REFERENCE)
+    return next((path for path in candidates if (path / "pretrain_gpt.py").is_file()), candidates[0])
+
+
+MEGATRON_LM_DIR = Path(os.environ.get("MEGATRON_LM_DIR") or _default_megatron_lm_dir())
 
 
 def main() -> None:

@@ -196,3 +196,43 @@ def test_router_bce_keeps_its_weight_with_per_token_loss(seeded):
         grads[per_token] = grad / x.shape[0] / x.shape[1] if per_token else grad  # megatron's final division
     assert grads[False].abs().sum() > 0
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("path", ["topk", "topk_sequence_parallel", "threshold_nothing_routed",
+                                  "threshold_megatron_core"])
+def test_output_is_not_a_view(seeded, path):
+    """What megatron's TransformerLayer returns (make_viewless_tensor): megatron's pipeline frees a
+    stage's output with deallocate_output_tensor, which asserts it is no view (issue 26: a --spec
+    stage ending on a sparse layer died at iteration 1). The views were the router-BCE autoscaler's
+    output (its input handed back), the sequence-parallel path's ``view_as``, and the input itself
+    when nothing is routed. The router-input chain (megatron_xmod.xmod.routing_state) fingerprints the
+    object returned. ``topk_sequence_parallel``: the sequence-parallel branch on one rank
+    (T = 1: the same result as without it, bit for bit)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+
+    local = get_gpt_layer_local_submodules(qk_layernorm=True, normalization="RMSNorm")
+    layer = make_layer(make_config(xmod_router_bce_coeff=0.0 if path == "topk_sequence_parallel" else 1e-4),
+                       submodules=local if path == "threshold_megatron_core" else None)
+    layer.train(path.startswith("topk"))
+    x = torch.randn(16, 2, HIDDEN, requires_grad=True)
+    if path == "threshold_nothing_routed":
+        with torch.no_grad():
+            layer.router.weight.zero_()
+            layer.router.bias.fill_(-10.0)  # sigmoid < 0.5 everywhere
+        x = torch.randn(16, 2, 2 * HIDDEN)[..., :HIDDEN].requires_grad_()  # a view as input (a leaf)
+    expected = None
+    if path == "topk_sequence_parallel":
+        expected = layer(x, rotary_pos_emb=rope_freqs(16))[0].detach()
+        layer.config.sequence_parallel = True  # the layer's TP group has one rank
+    out, _ = layer(x, rotary_pos_emb=rope_freqs(16))
+    assert out._base is None
+    if path != "threshold_nothing_routed":  # (routing nothing, the layer keeps no graph, so no chain base)
+        # the router-input chain was handed this very object: the next routed layer takes it up
+        assert layer.routing_state.router_inputs.take(layer.layer_number + 1, out) is not None
+    if path == "threshold_nothing_routed":
+        assert torch.equal(out, x)
+    if expected is not None:
+        assert torch.equal(out, expected)
+    if layer.training:  # the gradient still reaches the router through it
+        out.square().sum().backward()
+        assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0

@@ -4,7 +4,8 @@ core_v0.19.0, ../shared/reference/), run through tests/run_megatron_lm.py under 
 Each launch is compared with ``python -m megatron_xmod.pretrain`` given the same megatron flags and
 seed (and ``--xmod-layout`` for the layout the spec carries, ``--xmod-validation-continues`` for
 megatron's validation protocol): same loss at every iteration for TP1,
-TP2 and PP2; the routed layers really built (megatron's parameter count equals ``xmod count``'s
+TP2 and PP2 (and PP2 with ``xmod partition --block-aligned``'s layout, whose first stage ends on a
+sparse layer); the routed layers really built (megatron's parameter count equals ``xmod count``'s
 count_model, which differs from the dense model's); the router BCE reaches the loss; evaluation
 uses threshold routing; a wrong ``--num-layers``, or a pipeline stage starting inside a sparse block,
 stops with an error naming the field.
@@ -132,6 +133,37 @@ def test_num_layers_disagreeing_with_the_layout_is_a_clear_error(runs):
     assert "num_layers: 9 does not match the --spec layout 'D + (S4*2 + D)*2 + D'" in output
     assert "set --num-layers 8" in output
     assert "iteration        1/" not in output
+
+
+def test_block_aligned_stage_ending_on_a_sparse_layer_trains(runs):
+    """Issue 26: the layout ``xmod partition --block-aligned`` prints for the tiny layout at PP 2 ends
+    stage 0 on sparse layer 6 (the last of the block 5-6) and starts stage 1 on the anchor at 7. The
+    pre-launch check approves it, and Megatron-LM's pipeline then frees stage 0's output, which
+    must be no view (deallocate_output_tensor): it trains, with our entry point's losses."""
+    from megatron_xmod.cli.partition import plan
+    from megatron_xmod.spec import main as check_spec
+
+    balanced, _ = plan("165m", LAYOUT, 32768, 2, block_aligned=True)
+    layout = balanced.layout
+    layers = parse_layout(LAYOUT, "xmod").layers
+    last = balanced.stages[0].layers - 1  # 0-based last layer of stage 0
+    assert layers[last].is_sparse and not layers[last + 1].is_sparse, layout
+    assert check_spec(["spec_models", "tiny", "--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                       "--pipeline-model-parallel-layout", layout]) == 0
+    _, theirs = runs.megatron_lm("pp2", "tiny", "--pipeline-model-parallel-layout", layout)
+    _, ours = runs.ours("pp2", "--pipeline-model-parallel-layout", layout)
+    assert "counter-productive to free a view" not in theirs
+    built = sorted(line.split("layers ", 1)[1][:18] for line in theirs.splitlines() if "[xmod] --spec built layers" in line)
+    assert built == sorted([f"1-{last + 1} of 8 ({sum(layer.is_sparse for layer in layers[: last + 1])} routed",
+                            f"{last + 2}-8 of 8 ({sum(layer.is_sparse for layer in layers[last + 1 :])} routed"]), built
+    their_losses, our_losses = train_losses(theirs), train_losses(ours)
+    assert sorted(their_losses) == list(range(1, ITERS + 1)), theirs[-3000:]
+    for iteration in range(1, ITERS + 1):
+        assert their_losses[iteration] == pytest.approx(our_losses[iteration], rel=1e-6, abs=0), iteration
+    their_eval, our_eval = validation_losses(theirs), validation_losses(ours)
+    assert sorted(their_eval) == [4, 8]
+    for iteration in (4, 8):
+        assert their_eval[iteration]["lm loss"] == pytest.approx(our_eval[iteration]["lm loss"], rel=1e-6, abs=0)
 
 
 def test_stage_starting_inside_a_sparse_block_is_a_clear_error(runs):

@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
 
 from megatron_xmod.xmod.config import check_routing_compatibility
 from megatron_xmod.xmod.kernels import routing_step
@@ -223,6 +224,11 @@ class XModSparseLayer(TransformerLayer):
                 state.add_microbatch_loss(bce)
             output = RouterLossAutoScaler.apply(output, routing.router_bce_coeff * self._local_share(bce, decision),
                                                 self.config, seq_len * batch)
+        # What megatron's TransformerLayer returns: a tensor that is no view (the autoscaler above hands
+        # its input back as a view of it, the sequence-parallel path reshapes, a layer that routes nothing
+        # returns its input, which may be one). Megatron's pipeline frees a stage's output with deallocate_output_tensor,
+        # which refuses a view. Same storage, same values; the router-input chain is handed this object.
+        output = make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
         if chain is not None:  # the next routed layer of the block rebuilds its router input from these rows
             state.router_inputs.put(self.layer_number, chain, output, self._written_rows(decision, hidden_states.shape[0]))
         return output, context
