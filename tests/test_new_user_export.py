@@ -1,0 +1,196 @@
+"""A new user's export, evaluation and texts (issue 26, items 8 and 9).
+
+Export: a run on data pre-tokenized by the user's own tokenizer (megatron's NullTokenizer with its own
+``--vocab-size``) exports with that tokenizer (``--hf-tokenizer``, checked against the checkpoint's
+vocabulary), or its weights only and the tokenizer later (``xmod add-tokenizer``); every exported file
+gets the permissions of the rest of the folder. lm-eval tasks from the user's own held-out text.
+Texts: the entry point's --help states each default once and truthfully, examples/own_data_cpu.sh
+finds the repository's venv or says how to make one, the Jaccard of two layers that routed nothing
+is not 1, and the routing report numbers blocks as the start-up summary does.
+"""
+import argparse
+import collections
+import copy
+import os
+import re
+import stat
+from pathlib import Path
+
+import hf_io_helpers
+import pytest
+import torch
+from helpers import english_bytes
+
+from megatron_xmod.cli import main as xmod
+
+REPO = Path(__file__).resolve().parents[1]
+hf_checkpoints = hf_io_helpers.hf_checkpoints  # the session's shared checkpoints
+SAMPLE = "the module provides a class for the object of the data and the file"
+
+
+# --- a user's own tokenizer and a run pre-tokenized with it -------------------------------------------
+
+def word_tokenizer(folder: Path, size: int) -> Path:
+    """A tokenizer of the user's own: word level, the ``size - 2`` most frequent words of English prose
+    plus unknown and end-of-document tokens, saved with ``save_pretrained``."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    words = re.findall(r"\w+|[^\w\s]", bytes(english_bytes().tolist()).decode("utf-8"))
+    common = sorted(collections.Counter(words).items(), key=lambda item: (-item[1], item[0]))[: size - 2]
+    vocab = {"[UNK]": 0, "<eod>": 1, **{word: i + 2 for i, (word, _) in enumerate(common)}}
+    assert len(vocab) == size
+    tok = Tokenizer(WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<eod>")
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def user_tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("user_tokenizers")
+    return {size: word_tokenizer(root / f"tok{size}", size) for size in (200, 300)}
+
+
+@pytest.fixture(scope="module")
+def pretokenized(hf_checkpoints, tmp_path_factory):
+    """The checkpoint of a NullTokenizer run with ``--vocab-size 200`` (ids of a 200-token tokenizer;
+    megatron pads the embedding to 256 rows): the session's tiny dense run with that vocabulary,
+    saved by megatron's dist-checkpointing."""
+    from megatron_xmod.hf.checkpoint_io import load_checkpoint, save_checkpoint
+
+    loaded = load_checkpoint(hf_checkpoints("dense"))
+    args = copy.deepcopy(loaded.args)
+    assert args.tokenizer_type == "NullTokenizer" and args.padded_vocab_size == 256
+    args.vocab_size = 200
+    save = tmp_path_factory.mktemp("pretokenized") / "ckpt"
+    save_checkpoint(loaded.state_dict, args, save)
+    return save
+
+
+def _no_tensors_read(monkeypatch):
+    import megatron_xmod.hf.checkpoint_io as checkpoint_io
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the export read the checkpoint's tensors before refusing")
+
+    monkeypatch.setattr(checkpoint_io, "load_checkpoint", refuse)
+
+
+@pytest.mark.slow
+def test_pretokenized_run_exports_with_the_users_tokenizer(pretokenized, user_tokenizers, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out = tmp_path / "hf"
+    assert xmod(["export-hf", "--load", str(pretokenized), "--output", str(out), "--dtype", "fp32", "--no-progress",
+                 "--hf-tokenizer", str(user_tokenizers[200])]) == 0
+    printed = capsys.readouterr().out
+    assert f"tokenizer: {user_tokenizers[200]}, 200 tokens" in printed
+    mine = AutoTokenizer.from_pretrained(str(user_tokenizers[200]))
+    exported = AutoTokenizer.from_pretrained(str(out))
+    ids = exported(SAMPLE)["input_ids"]
+    assert ids == mine(SAMPLE)["input_ids"] and len(exported) == 200 and max(ids) < 200
+    assert ids != list(SAMPLE.encode())  # not the byte tokenizer
+    assert GenerationConfig.from_pretrained(str(out)).eos_token_id == exported.eos_token_id == 1
+    model = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32)
+    with torch.no_grad():
+        assert model(torch.tensor([ids])).logits.shape == (1, len(ids), 256)
+
+
+@pytest.mark.slow
+def test_tokenizer_model_of_a_null_tokenizer_run_is_used_not_ignored(pretokenized, user_tokenizers, tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_xmod.hf.export import export_checkpoint
+
+    result = export_checkpoint(pretokenized, tmp_path / "hf", dtype="fp32", progress=False,
+                               tokenizer_model=user_tokenizers[200])
+    assert "taken as --hf-tokenizer" in result.tokenizer
+    assert len(AutoTokenizer.from_pretrained(str(tmp_path / "hf"))) == 200
+
+
+@pytest.mark.slow
+def test_a_tokenizer_of_another_size_is_refused_before_any_tensor_is_read(hf_checkpoints, pretokenized,
+                                                                          user_tokenizers, tmp_path, monkeypatch,
+                                                                          capsys):
+    from megatron_xmod.hf.export import export_checkpoint
+
+    _no_tensors_read(monkeypatch)
+    with pytest.raises(ValueError, match=r"^hf_tokenizer: .*tok300 has 300 tokens but the checkpoint was trained "
+                                         r"with --vocab-size 200 .*; fix: "):
+        export_checkpoint(pretokenized, tmp_path / "a", hf_tokenizer=user_tokenizers[300], progress=False)
+    with pytest.raises(ValueError, match=r"^hf_tokenizer: .*tok200 has 200 tokens .* --vocab-size 256 "):
+        export_checkpoint(hf_checkpoints("dense"), tmp_path / "b", tokenizer_model=user_tokenizers[200],
+                          progress=False)  # the byte run: --tokenizer-model is the user's tokenizer there too
+    assert xmod(["export-hf", "--load", str(pretokenized), "--output", str(tmp_path / "c"),
+                 "--hf-tokenizer", str(tmp_path / "nowhere")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "hf_tokenizer: " in error and "does not exist; fix: " in error
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
+@pytest.mark.slow
+def test_pretokenized_run_without_a_tokenizer_exports_weights_only_and_takes_one_later(pretokenized,
+                                                                                       user_tokenizers, tmp_path,
+                                                                                       capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out = tmp_path / "hf"
+    assert xmod(["export-hf", "--load", str(pretokenized), "--output", str(out), "--dtype", "fp32",
+                 "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "weights only, no tokenizer written" in printed and "--vocab-size 200" in printed
+    assert f"xmod add-tokenizer {out} --hf-tokenizer PATH" in printed
+    assert not list(out.glob("tokenizer*")) and (out / "model.safetensors").is_file()
+    AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)  # the weights alone load
+    assert xmod(["add-tokenizer", str(out), "--hf-tokenizer", str(user_tokenizers[300])]) == 2
+    assert re.search(r"hf_tokenizer: .* has 300 tokens .* --vocab-size 200", capsys.readouterr().err)
+    assert xmod(["add-tokenizer", str(out), "--hf-tokenizer", str(user_tokenizers[200])]) == 0
+    assert "200 tokens" in capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    assert tokenizer(SAMPLE)["input_ids"] == AutoTokenizer.from_pretrained(str(user_tokenizers[200]))(SAMPLE)["input_ids"]
+    assert GenerationConfig.from_pretrained(str(out)).eos_token_id == tokenizer.eos_token_id == 1
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {path.name for path in out.iterdir() if stat.S_IMODE(path.stat().st_mode) != 0o666 & ~umask} == set()
+    assert xmod(["add-tokenizer", str(out), "--hf-tokenizer", str(user_tokenizers[200])]) == 2
+    assert "already has a tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_every_exported_file_gets_the_permissions_of_the_folder(hf_checkpoints, tmp_path):
+    from megatron_xmod.hf.export import export_checkpoint
+
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "hf"
+        export_checkpoint(hf_checkpoints("dense"), out, dtype="fp32", max_shard_size="200KB", progress=False)
+    finally:
+        os.umask(old)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in out.iterdir()}
+    assert len([name for name in modes if name.endswith(".safetensors")]) > 1  # sharded: several weight files
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {name: mode for name, mode in modes.items() if mode != 0o644} == {}
+
+
+def test_vocabulary_check_of_a_run_with_a_tokenizer_file(user_tokenizers):
+    """Other runs record only the padded vocabulary: the tokenizer must pad to the same rows."""
+    from transformers import AutoTokenizer
+
+    from megatron_xmod.hf.tokenizer_export import check_vocabulary
+
+    args = argparse.Namespace(tokenizer_type="SentencePieceTokenizer", padded_vocab_size=256,
+                              make_vocab_size_divisible_by=128, tensor_model_parallel_size=1)
+    for size in (200, 300):
+        tokenizer = AutoTokenizer.from_pretrained(str(user_tokenizers[size]))
+        if size == 200:
+            check_vocabulary(tokenizer, args, "tok200")  # 200 pads to 256 rows
+        else:
+            with pytest.raises(ValueError, match=r"^hf_tokenizer: tok300 has 300 tokens \(padded: 384 rows\) but the "
+                                                 r"checkpoint's vocabulary has 256 embedding rows; fix: "):
+                check_vocabulary(tokenizer, args, "tok300")
+    small = argparse.Namespace(**{**vars(args), "padded_vocab_size": 512})
+    with pytest.raises(ValueError, match="has 200 tokens \\(padded: 256 rows\\) but .* 512 embedding rows"):
+        check_vocabulary(AutoTokenizer.from_pretrained(str(user_tokenizers[200])), small, "tok200")
