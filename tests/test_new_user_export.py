@@ -11,6 +11,7 @@ is not 1, and the routing report numbers blocks as the start-up summary does.
 import argparse
 import collections
 import copy
+import json
 import os
 import re
 import stat
@@ -194,3 +195,64 @@ def test_vocabulary_check_of_a_run_with_a_tokenizer_file(user_tokenizers):
     small = argparse.Namespace(**{**vars(args), "padded_vocab_size": 512})
     with pytest.raises(ValueError, match="has 200 tokens \\(padded: 256 rows\\) but .* 512 embedding rows"):
         check_vocabulary(AutoTokenizer.from_pretrained(str(user_tokenizers[200])), small, "tok200")
+
+
+# --- lm-eval tasks from your own held-out text -------------------------------------------------------
+
+def _held_out(path: Path, name: str, lines: int) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    text = path / f"{name}.txt"
+    text.write_text("\n".join(f"{name} line {i}: what the model has not seen, number {i * 7}." for i in range(lines))
+                    + "\n\n")
+    return text
+
+
+def test_eval_tasks_are_built_from_your_own_held_out_text(tmp_path, capsys):
+    from megatron_xmod.hf.eval_tasks import main
+
+    notes, diary = _held_out(tmp_path / "a", "notes", 30), _held_out(tmp_path / "b", "diary", 12)
+    twin = _held_out(tmp_path / "c", "notes", 10)  # the same file name twice: numbered
+    out = tmp_path / "tasks"
+    assert main(["--out", str(out), "--held-out", str(notes), str(diary), str(twin), "--next-line-per-work", "5",
+                 "--perplexity-max-chars", "150"]) == 0
+    printed = capsys.readouterr().out
+    assert str(notes) in printed and f"--include_path {out}" in printed
+    docs = [json.loads(line) for line in (out / "next_line.jsonl").read_text().splitlines()]
+    assert sorted({d["work"] for d in docs}) == ["diary", "notes", "notes_2"] and len(docs) == 15
+    for doc in docs:
+        lines = {"notes": notes, "diary": diary, "notes_2": twin}[doc["work"]].read_text().splitlines()
+        first, second = doc["context"].rstrip("\n").split("\n")
+        i = lines.index(second)
+        assert lines[i - 1] == first and doc["choices"][doc["label"]] == lines[i + 1]
+        assert all(choice in lines for choice in doc["choices"])
+    texts = [json.loads(line) for line in (out / "perplexity.jsonl").read_text().splitlines()]
+    assert all(len(t["text"]) <= 150 for t in texts)
+    assert "\n".join(t["text"] for t in texts if t["work"] == "notes").split("\n") == \
+        [line for line in notes.read_text().splitlines() if line]
+    for task in ("xmod_next_line", "xmod_perplexity"):
+        assert str(out) in (out / f"{task}.yaml").read_text()
+
+
+def test_eval_tasks_refuse_held_out_text_they_cannot_use(tmp_path, capsys):
+    from megatron_xmod.hf.eval_tasks import main
+
+    short = _held_out(tmp_path, "short", 3)
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9 au lait, a line long enough\n".encode("latin-1") * 8)
+    for path, message in ((tmp_path / "missing.txt", "is not a file; fix: "),
+                          (short, "has 3 distinct lines of >= 12 characters; the next-line task needs at least 4"),
+                          (latin, "is not UTF-8 text (byte 3); fix: ")):
+        assert main(["--out", str(tmp_path / "tasks"), "--held-out", str(path)]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and f"held_out: {path} {message}" in error
+    assert not (tmp_path / "tasks").exists()
+
+
+def test_readme_lm_eval_command_sets_the_batch_size():
+    for doc in (REPO / "README.md", REPO / "docs" / "hf.md"):
+        commands = [block for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.DOTALL) if "lm_eval" in block]
+        assert commands, doc
+        for block in commands:
+            command = block.replace("\\\n", " ")
+            line = next(line for line in command.splitlines() if "lm_eval " in line)
+            assert re.search(r"--batch_size \d+", line), (doc.name, line)
