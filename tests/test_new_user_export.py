@@ -15,6 +15,8 @@ import json
 import os
 import re
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import hf_io_helpers
@@ -256,3 +258,54 @@ def test_readme_lm_eval_command_sets_the_batch_size():
             command = block.replace("\\\n", " ")
             line = next(line for line in command.splitlines() if "lm_eval " in line)
             assert re.search(r"--batch_size \d+", line), (doc.name, line)
+
+
+# --- the entry point's --help -------------------------------------------------------------------------
+
+OUR_GROUPS = ("X-MoD", "MoE / DTop-p")
+
+
+@pytest.fixture(scope="module")
+def real_help():
+    env = dict(os.environ, COLUMNS="100")
+    result = subprocess.run([sys.executable, "-m", "megatron_xmod.pretrain", "--help"], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def _entries(text: str) -> dict[str, tuple[argparse.Action, str]]:
+    """{flag: (action, its help as printed)} of the plugin's groups, read from the printed --help."""
+    from megatron_xmod.cpu_shim import cpu_patches
+    from megatron_xmod.training.pretrain import build_parser
+
+    with cpu_patches(training=False):
+        parser = build_parser()
+    formatter = parser._get_formatter()
+    out = {}
+    for group in parser._action_groups:
+        if group.title not in OUR_GROUPS:
+            continue
+        for action in group._group_actions:
+            if action.help == argparse.SUPPRESS:
+                continue
+            invocation = formatter._format_action_invocation(action)
+            found = re.search(r"\n  " + re.escape(invocation) + r"(.*?)(?=\n  -|\n\n|\Z)", text, re.DOTALL)
+            assert found, invocation
+            out[action.option_strings[0]] = (action, " ".join(found.group(1).split()))
+    return out
+
+
+def test_pretrain_help_states_each_default_once_and_truthfully(real_help):
+    entries = _entries(real_help)
+    assert len(entries) > 30
+    for flag, (action, text) in entries.items():
+        assert len(re.findall(r"default", text, re.IGNORECASE)) <= 1, f"{flag}: {text}"
+        if action.nargs == 0:  # a switch: "True"/"None" would read as "on by default"
+            assert "(default: True)" not in text and "(default: None)" not in text, f"{flag}: {text}"
+        assert text, f"{flag} has no help"
+    gate = entries["--xmod-fixed-gate-scale"][1]
+    assert "default: off, varsigma is learned" in gate
+    assert entries["--xmod-dense-prefix"][1].endswith("for MoD what fills the activated depth)")
+    assert entries["--dtopp-kp"][1] == "K_pro (default: 0.1, or the --moe-preset's)"
+    assert entries["--xmod-token-choice-bias-tau"][1].endswith("(default: 0.5)")  # argparse's own, kept
