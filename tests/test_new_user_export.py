@@ -14,6 +14,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -309,3 +310,36 @@ def test_pretrain_help_states_each_default_once_and_truthfully(real_help):
     assert entries["--xmod-dense-prefix"][1].endswith("for MoD what fills the activated depth)")
     assert entries["--dtopp-kp"][1] == "K_pro (default: 0.1, or the --moe-preset's)"
     assert entries["--xmod-token-choice-bias-tau"][1].endswith("(default: 0.5)")  # argparse's own, kept
+
+
+# --- examples/own_data_cpu.sh without an activated venv ------------------------------------------------
+
+def test_own_data_example_finds_the_repo_venv_or_says_how_to_make_it(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python"  # a `python` on PATH without megatron_xmod, as outside the venv
+    fake.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'megatron_xmod'\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(tmp_path), "INPUT": "corpus.txt",
+           "OUT": str(tmp_path / "run")}
+    bare = tmp_path / "checkout"  # a checkout without .venv
+    (bare / "examples").mkdir(parents=True)
+    shutil.copy(REPO / "examples" / "own_data_cpu.sh", bare / "examples")
+    result = subprocess.run(["bash", str(bare / "examples" / "own_data_cpu.sh")], capture_output=True, text=True,
+                            env=env, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    error = result.stderr.strip()
+    assert len(error.splitlines()) == 1 and "ModuleNotFoundError" not in result.stdout + error
+    assert error.startswith("own_data_cpu.sh: PY: ") and f"fix: bash {bare}/scripts/setup_env.sh" in error
+    assert not (tmp_path / "run").exists()
+    given = subprocess.run(["bash", str(bare / "examples" / "own_data_cpu.sh")], capture_output=True, text=True,
+                           env={**env, "PY": str(fake)}, cwd=tmp_path, timeout=60)
+    assert given.returncode == 2 and f"PY: {fake} cannot import megatron_xmod" in given.stderr
+    venv = REPO / ".venv" / "bin" / "python"
+    if not venv.exists():
+        pytest.skip("this checkout has no .venv to find")
+    env.pop("INPUT")  # stops right after choosing the Python
+    found = subprocess.run(["bash", str(REPO / "examples" / "own_data_cpu.sh")], capture_output=True, text=True,
+                           env=env, cwd=REPO, timeout=120)
+    assert f"[own_data] python: {venv}" in found.stdout
+    assert found.returncode != 0 and "INPUT: set INPUT" in found.stderr
