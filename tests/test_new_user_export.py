@@ -23,7 +23,7 @@ from pathlib import Path
 import hf_io_helpers
 import pytest
 import torch
-from helpers import english_bytes
+from helpers import english_bytes, tiny_model
 
 from megatron_xmod.cli import main as xmod
 
@@ -343,3 +343,52 @@ def test_own_data_example_finds_the_repo_venv_or_says_how_to_make_it(tmp_path):
                            env=env, cwd=REPO, timeout=120)
     assert f"[own_data] python: {venv}" in found.stdout
     assert found.returncode != 0 and "INPUT: set INPUT" in found.stderr
+
+
+# --- the Jaccard of two layers that routed nothing -----------------------------------------------------
+
+LAYOUT = "D + (S4*3 + D)"  # layers 2-4 sparse (block 1), Jaccard at layers 3 and 4
+
+
+def _validation_line(monkeypatch, biases: dict[int, float]):
+    """Route a validation batch with the router biases given per sparse layer (weights 0: -100 routes
+    nothing, +100 every token) and return RoutingLog.evaluation's (console line, scalars)."""
+    import megatron.training
+
+    from megatron_xmod.model import sparse_layers
+    from megatron_xmod.training.log import RoutingLog
+
+    model, _ = tiny_model(LAYOUT, xmod_routing_family="xmod")
+    with torch.no_grad():
+        for layer in sparse_layers(model):
+            layer.router.weight.zero_()
+            layer.router.bias.fill_(biases[layer.layer_number])
+    model.eval()
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(tokens, torch.arange(64).expand_as(tokens), None)
+    printed = []
+    args = argparse.Namespace(num_layers=5, xmod_layout=LAYOUT, xmod_routing_family="xmod",
+                              xmod_eval_routing="threshold")
+    monkeypatch.setattr(megatron.training, "get_args", lambda: args)
+    monkeypatch.setattr(megatron.training, "get_tensorboard_writer", lambda: None)
+    monkeypatch.setattr(megatron.training, "print_rank_last", printed.append)
+    monkeypatch.setattr(RoutingLog, "setup", lambda self, args: None)
+    scalars = RoutingLog(model_chunks=[model]).evaluation(6, write_to_tensorboard=False)
+    assert len(printed) == 1
+    return printed[0], scalars
+
+
+def test_validation_jaccard_of_layers_that_routed_nothing_is_not_available(seeded, monkeypatch):
+    line, scalars = _validation_line(monkeypatch, {2: -100.0, 3: -100.0, 4: -100.0})
+    assert "selected fraction: 0.0000" in line
+    assert "adjacent jaccard: n.a. for 2 of 2 layer pairs: neither layer routed a token" in line
+    assert "adjacent jaccard: 1.0000" not in line
+    assert not any("adjacent_jaccard" in tag for tag in scalars)
+    # layers 2 and 3 route nothing, layer 4 every token: only the pair (3, 4) is defined, and disjoint
+    line, scalars = _validation_line(monkeypatch, {2: -100.0, 3: -100.0, 4: 100.0})
+    assert "adjacent jaccard: 0.0000 (random: 0.1429; n.a. for 1 of 2 layer pairs" in line
+    assert scalars["routing/eval_adjacent_jaccard"] == 0.0
+    assert "routing/eval_adjacent_jaccard/layer_003" not in scalars
+    assert scalars["routing/eval_adjacent_jaccard/layer_004"] == 0.0
+    assert scalars["routing/eval_adjacent_jaccard random"] == pytest.approx(0.25 / 1.75)
