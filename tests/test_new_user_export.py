@@ -392,3 +392,24 @@ def test_validation_jaccard_of_layers_that_routed_nothing_is_not_available(seede
     assert "routing/eval_adjacent_jaccard/layer_003" not in scalars
     assert scalars["routing/eval_adjacent_jaccard/layer_004"] == 0.0
     assert scalars["routing/eval_adjacent_jaccard random"] == pytest.approx(0.25 / 1.75)
+
+
+# --- routing-report numbers blocks as the start-up summary does ----------------------------------------
+
+def test_routing_report_numbers_blocks_like_the_startup_summary(seeded):
+    from megatron_xmod.diagnostics.routing_report import format_table, routing_report
+    from megatron_xmod.training.log import layer_map
+    from megatron_xmod.xmod.layout import parse_layout
+
+    layout = "D + (S4*2 + D)*2"
+    model, _ = tiny_model(layout, seq_len=16, xmod_routing_family="xmod")
+    report = routing_report(model, torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0)),
+                            rule="topk")
+    summary = layer_map(parse_layout(layout, "xmod"))
+    assert summary[1] == "2-3 sparse K=4 (block 1, #1-#2)" and summary[3] == "5-6 sparse K=4 (block 2, #1-#2)"
+    assert [(b["block"], b["layers"]) for b in report["blocks"]] == [(1, [2, 3]), (2, [5, 6])]
+    assert {row["layer"]: row["block"] for row in report["layers"]} == {2: 1, 3: 1, 5: 2, 6: 2}
+    table = format_table(report)
+    assert "blocks numbered from 1" in table.splitlines()[0]
+    rows = [line.split() for line in table.splitlines()]
+    assert ["1", "2-3"] in [row[:2] for row in rows] and ["2", "5-6"] in [row[:2] for row in rows]
