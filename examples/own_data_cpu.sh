@@ -11,10 +11,27 @@
 #        block is a document) OUT VOCAB (SentencePiece pieces, trained on INPUT) BACKBONE (a preset
 #        or a backbone JSON file; default: the demo's 6-layer backbone written to $OUT/backbone.json)
 #        MODEL (a layout; its activated depth must be the backbone's num_layers) SEQ MBS GBS ITERS
-#        MORE (iterations the resume adds) LR EVAL_ITERS PY EXTRA_ARGS (appended to every training step).
+#        MORE (iterations the resume adds) LR EVAL_ITERS EXTRA_ARGS (appended to every training step)
+#        PY (the Python to run; default: `python` when it has megatron_xmod and megatron, else the
+#        repository's .venv, which scripts/setup_env.sh creates).
 set -euo pipefail
 
-PY=${PY:-python}
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+usable() {  # usable PYTHON: it exists and finds megatron_xmod, megatron and torch (nothing is imported)
+    "$1" -c 'import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in ("megatron_xmod", "megatron", "torch")) else 1)' \
+        >/dev/null 2>&1
+}
+if [ -n "${PY:-}" ]; then
+    usable "$PY" || { echo "own_data_cpu.sh: PY: $PY cannot import megatron_xmod, megatron and torch; fix: bash $ROOT/scripts/setup_env.sh and PY=$ROOT/.venv/bin/python, or activate the venv that has them" >&2; exit 2; }
+elif command -v python >/dev/null 2>&1 && usable python; then
+    PY=python
+elif usable "$ROOT/.venv/bin/python"; then
+    PY="$ROOT/.venv/bin/python"
+else
+    echo "own_data_cpu.sh: PY: neither \`python\` nor $ROOT/.venv/bin/python can import megatron_xmod, megatron and torch; fix: bash $ROOT/scripts/setup_env.sh (creates .venv), or set PY=/path/to/python" >&2
+    exit 2
+fi
+echo "[own_data] python: $PY"
 read -r -a INPUTS <<< "${INPUT:?set INPUT to your text/.jsonl files or folders of them}"
 OUT=${OUT:-runs/own_data}
 VOCAB=${VOCAB:-2000}

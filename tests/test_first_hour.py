@@ -46,7 +46,7 @@ def test_help_lists_our_flags_with_defaults_despite_megatrons_broken_help_string
     text = build_parser().format_help()
     for flag, default in (("--xmod-sparsity-k", "None"), ("--xmod-token-choice-bias-tau", "0.5"),
                           ("--xmod-router-bce-coeff", "0.0001"), ("--xmod-eval-routing", "threshold"),
-                          ("--dtopp-target-experts", "None"), ("--moe-paged-stash-buffer-size-factor-cuda", None)):
+                          ("--dtopp-kp", "0.1, or the --moe-preset's"), ("--moe-paged-stash-buffer-size-factor-cuda", None)):
         entry = re.search(r"\n  " + re.escape(flag) + r"[ \n](.*?)(?=\n  -|\n\n)", text, re.DOTALL)
         assert entry, flag
         if default is not None:

@@ -1,4 +1,4 @@
-"""``xmod export-hf`` and ``xmod import-hf`` (see docs/hf.md)."""
+"""``xmod export-hf``, ``xmod add-tokenizer`` and ``xmod import-hf`` (see docs/hf.md)."""
 from __future__ import annotations
 
 
@@ -11,9 +11,21 @@ def register(subparsers) -> None:
                    help="weights' dtype (default: the run's parameter dtype)")
     p.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (e.g. 500MB, 5GB)")
     p.add_argument("--tokenizer-model", default=None,
-                   help="the tokenizer file/folder, when the path the run saved is not valid here")
+                   help="the run's own tokenizer file/folder, when the path the run saved is not valid here")
+    p.add_argument("--hf-tokenizer", default=None, metavar="PATH",
+                   help="a tokenizer of your own instead of the run's: a folder written by save_pretrained, a "
+                        "tokenizer.json or a SentencePiece BPE .model; its size must match the checkpoint's "
+                        "vocabulary. For data you pre-tokenized (NullTokenizer runs); without it such a run "
+                        "exports its weights only")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_export)
+
+    p = subparsers.add_parser("add-tokenizer", help="add your tokenizer to a weights-only export-hf folder")
+    p.add_argument("folder", help="a folder written by xmod export-hf without a tokenizer")
+    p.add_argument("--hf-tokenizer", required=True, metavar="PATH",
+                   help="a folder written by save_pretrained, a tokenizer.json or a SentencePiece BPE .model; its "
+                        "size must match the checkpoint's vocabulary")
+    p.set_defaults(func=_add_tokenizer)
 
     p = subparsers.add_parser("import-hf", help="Hugging Face folder from export-hf -> megatron torch_dist checkpoint")
     p.add_argument("folder", help="a folder written by xmod export-hf")
@@ -28,8 +40,16 @@ def _export(args) -> int:
 
     result = export_checkpoint(args.load, args.output, iteration=args.iteration, dtype=args.dtype,
                                max_shard_size=args.max_shard_size, tokenizer_model=args.tokenizer_model,
-                               progress=not args.no_progress)
+                               hf_tokenizer=args.hf_tokenizer, progress=not args.no_progress)
     print(f"[export-hf] {result.summary()}")
+    print(f"[export-hf] {result.tokenizer}")
+    return 0
+
+
+def _add_tokenizer(args) -> int:
+    from megatron_xmod.hf.export import add_tokenizer
+
+    print(f"[add-tokenizer] {add_tokenizer(args.folder, args.hf_tokenizer)}")
     return 0
 
 

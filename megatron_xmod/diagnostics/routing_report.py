@@ -8,6 +8,9 @@ no globals), and reduces them with the pure functions of :mod:`megatron_xmod.dia
   fraction, the per-block coverage, adjacent-layer Jaccard and update counts, and the LM loss;
 - a top-k-driven forward gives the agreement of the threshold rule with top-k at the same scores
   (the paper's mask agreement, plus precision and recall) and the LM loss under top-k.
+
+Numbering is the start-up summary's (and the paper's): blocks from 1 (``block`` in the JSON, the
+table and the plots), layers by megatron's 1-based layer numbers; ``index_in_block`` is 0-based.
 """
 from __future__ import annotations
 
@@ -117,7 +120,8 @@ def _reduce(routing: dict, main: SelectionRecorder, topk_pass: SelectionRecorder
         total_agreement.topk_only += agreement.topk_only
         total_agreement.neither += agreement.neither
         layers.append({
-            "layer": number, "block": spec.block, "index_in_block": spec.index_in_block, "sparsity_k": spec.sparsity_k,
+            "layer": number, "block": spec.block + 1, "index_in_block": spec.index_in_block,
+            "sparsity_k": spec.sparsity_k,
             "selected_fraction": selected.float().mean().item(), "nominal_fraction": 1.0 / spec.sparsity_k,
             "router_logit_mean": logits.mean().item(), "router_logit_std": logits.std().item(),
             "token_choice_bias_tau": spec.token_choice_bias_tau,
@@ -129,7 +133,7 @@ def _reduce(routing: dict, main: SelectionRecorder, topk_pass: SelectionRecorder
         numbers = [n for n, _ in members]
         k = routing[numbers[0]].sparsity_k
         stats = block_stats(torch.stack([s for _, s in members]), k)
-        block_rows.append({"block": block, "layers": numbers, **stats.to_dict(),
+        block_rows.append({"block": block + 1, "layers": numbers, **stats.to_dict(),
                            "references": references(k, stats.num_layers)})
     jaccards = [b["adjacent_jaccard"] for b in block_rows if b["adjacent_jaccard"] is not None]
     summary = {
@@ -154,7 +158,8 @@ def _pct(value: Optional[float]) -> str:
 def format_table(report: dict) -> str:
     """The report as text: one row per block, one per layer, then the summary."""
     lines = [f"routing report: {report['family']}, {report['num_sequences']} sequences of {report['seq_length']} "
-             f"tokens, statistics under the {report['rule']} rule (percentages)", ""]
+             f"tokens, statistics under the {report['rule']} rule (percentages); blocks numbered from 1 and "
+             "layers by megatron's layer numbers, as in the start-up summary", ""]
     lines.append(f"{'block':>5} {'layers':>9} {'T':>3} {'K':>3} {'sel %':>7} {'1/K %':>6} {'cover':>7} "
                  f"{'rand':>7} {'Jacc':>7} {'rand':>7} {'mean n':>7}")
     for b in report["blocks"]:

@@ -1,15 +1,19 @@
 """``xmod export-hf``: a megatron ``torch_dist`` checkpoint (any TP/PP/DP layout) -> a Hugging Face
 model folder, on one CPU process.
 
-    xmod export-hf --load runs/x/ckpt --output hf/x [--iteration N] [--dtype bf16|fp16|fp32]
+    xmod export-hf --load runs/x/ckpt --output hf/x [--iteration N] [--dtype bf16|fp16|fp32] [--hf-tokenizer PATH]
+    xmod add-tokenizer hf/x --hf-tokenizer PATH       # a tokenizer for a weights-only export
 
 Writes ``config.json`` (``model_type`` "megatron_xmod" and the ``auto_map`` that lets
 ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` load it with transformers
 alone), the weights as safetensors (sharded above ``--max-shard-size`` with
-``model.safetensors.index.json``), ``generation_config.json``, the run's tokenizer
-(:mod:`megatron_xmod.hf.tokenizer_export`), the modeling files copied verbatim
+``model.safetensors.index.json``), ``generation_config.json``, the tokenizer (the run's, or the
+user's own ``--hf-tokenizer``; none for pre-tokenized data without one:
+:mod:`megatron_xmod.hf.tokenizer_export`), the modeling files copied verbatim
 (``state_dict_adapter.EXPORTED_FILES``) and ``megatron_xmod_export.json`` (the source checkpoint,
 its iteration and the megatron arguments it was trained with, which ``xmod import-hf`` reads back).
+Every file gets the permissions of a file created under the process's umask (safetensors alone
+would write its files 0600).
 
 The model description comes from the checkpoint's own saved ``args``; the weights from megatron's
 dist-checkpointing (:mod:`megatron_xmod.hf.checkpoint_io`); the mapping from the adapter beside the
@@ -22,6 +26,7 @@ import dataclasses
 import enum
 import importlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -42,6 +47,7 @@ class ExportResult:
     dtype: str
     weight_files: list[str]
     hf_config: object
+    tokenizer: str = ""  # what was written for the tokenizer (or that none was), one line
 
     def summary(self) -> str:
         return (f"exported iteration {self.iteration}: {self.num_parameters:,} parameters ({self.dtype}) in "
@@ -82,14 +88,17 @@ def args_from_json(data: dict):
 
 # ---------------------------------------------------------------------------------------------- export
 def export_checkpoint(load, output, iteration: Optional[int] = None, dtype: Optional[str] = None,
-                      max_shard_size: str | int = "2GB", tokenizer_model=None, progress: bool = True) -> ExportResult:
-    """Export the checkpoint under ``load`` (latest iteration unless ``iteration``) into ``output``."""
+                      max_shard_size: str | int = "2GB", tokenizer_model=None, progress: bool = True,
+                      hf_tokenizer=None) -> ExportResult:
+    """Export the checkpoint under ``load`` (latest iteration unless ``iteration``) into ``output``;
+    ``hf_tokenizer``: a tokenizer of the user's own instead of the run's (checked against the
+    checkpoint's vocabulary)."""
     from transformers import GenerationConfig
 
     from megatron_xmod.cpu_shim import cpu_patches
     from megatron_xmod.hf.checkpoint_io import checkpoint_path, load_checkpoint, read_common, single_process_args
     from megatron_xmod.hf.state_dict_adapter import AUTO_MAP, EXPORTED_FILES, hf_config_from_args, megatron_to_hf
-    from megatron_xmod.hf.tokenizer_export import build_tokenizer
+    from megatron_xmod.hf.tokenizer_export import resolve_tokenizer
 
     output = Path(output)
     if output.exists() and any(output.iterdir()):
@@ -101,10 +110,8 @@ def export_checkpoint(load, output, iteration: Optional[int] = None, dtype: Opti
     with cpu_patches(training=False):
         args = read_common(path)["args"]
         hf_config = hf_config_from_args(single_process_args(args))
-    tokenizer = build_tokenizer(args, tokenizer_model)
-    if len(tokenizer) > hf_config.vocab_size:
-        raise ValueError(f"vocab_size: the tokenizer has {len(tokenizer)} tokens but the model only "
-                         f"{hf_config.vocab_size} embedding rows")
+    resolved = resolve_tokenizer(args, output, tokenizer_model, hf_tokenizer)
+    tokenizer = resolved.tokenizer
     if dtype is None:
         dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(getattr(args, "params_dtype", None), "fp32")
 
@@ -123,20 +130,68 @@ def export_checkpoint(load, output, iteration: Optional[int] = None, dtype: Opti
     hf_config.architectures = [AUTO_MAP["AutoModelForCausalLM"].split(".")[-1]]
     hf_config.dtype = str(DTYPES[dtype]).removeprefix("torch.")
     hf_config.save_pretrained(str(output))
-    tokenizer.save_pretrained(str(output))
-    eos = tokenizer.eos_token_id
-    GenerationConfig(bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos,
-                     eos_token_id=eos, pad_token_id=eos).save_pretrained(str(output))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(output))
+    generation_config(GenerationConfig(), tokenizer).save_pretrained(str(output))
     for name, source in EXPORTED_FILES.items():
         shutil.copyfile(source, output / name)
     info = {"source": str(checkpoint.path.resolve()), "iteration": checkpoint.iteration, "dtype": dtype,
             "megatron_args": args_to_json(checkpoint.args)}
     (output / EXPORT_INFO).write_text(json.dumps(info, indent=1, sort_keys=True))
+    umask_permissions(output)
     bar.update(1)
     bar.close()
     params = sum(v.numel() for k, v in hf_state.items() if not k.endswith(FP32_SUFFIXES))
     return ExportResult(output=output, iteration=checkpoint.iteration, num_parameters=params, dtype=dtype,
-                        weight_files=weight_files, hf_config=hf_config)
+                        weight_files=weight_files, hf_config=hf_config, tokenizer=resolved.description)
+
+
+def generation_config(config, tokenizer):
+    """``config`` (a GenerationConfig) with the tokenizer's end of document as eos and pad (and bos
+    when it has none); unchanged without a tokenizer."""
+    if tokenizer is None:
+        return config
+    eos = tokenizer.eos_token_id
+    config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+    config.eos_token_id = config.pad_token_id = eos
+    return config
+
+
+def add_tokenizer(folder, hf_tokenizer) -> str:
+    """Write the user's tokenizer ``hf_tokenizer`` into ``folder``, a weights-only export (``xmod
+    add-tokenizer``): checked against the vocabulary the export recorded; returns one line."""
+    from transformers import GenerationConfig
+
+    from megatron_xmod.hf.tokenizer_export import check_vocabulary, load_user_tokenizer
+
+    folder = Path(folder)
+    info = read_export_info(folder)
+    if info is None:
+        raise ValueError(f"folder: {folder} has no {EXPORT_INFO}; fix: give a folder written by xmod export-hf")
+    present = [name for name in ("tokenizer.json", "tokenizer_config.json") if (folder / name).is_file()]
+    if present:
+        raise ValueError(f"folder: {folder} already has a tokenizer ({present[0]}); fix: export again into a new "
+                         "folder with --hf-tokenizer PATH")
+    tokenizer = load_user_tokenizer(hf_tokenizer)
+    check_vocabulary(tokenizer, args_from_json(info["megatron_args"]), hf_tokenizer)
+    tokenizer.save_pretrained(str(folder))
+    try:
+        config = GenerationConfig.from_pretrained(str(folder))
+    except OSError:
+        config = GenerationConfig()
+    generation_config(config, tokenizer).save_pretrained(str(folder))
+    umask_permissions(folder)
+    return f"tokenizer: {hf_tokenizer}, {len(tokenizer)} tokens, written to {folder}"
+
+
+def umask_permissions(folder: Path) -> None:
+    """Every file directly in ``folder`` readable as the umask allows (0644 under umask 022), as
+    ``open()`` creates files: safetensors writes its files 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o666 & ~mask)
 
 
 def write_safetensors(state: dict, output: Path, max_shard_size: str | int, progress: bool = True) -> list[str]:

@@ -14,11 +14,19 @@ From the run's saved ``args`` (``--tokenizer-type`` / ``--tokenizer-model`` / ``
   as megatron's NullTokenizer has it.
 
 Anything else is an error naming ``tokenizer_type``.
+
+A tokenizer of the user's own (``--hf-tokenizer PATH``: a folder written by ``save_pretrained``, a
+``tokenizer.json`` or a SentencePiece BPE ``.model``) replaces the run's: what data pre-tokenized
+outside megatron (``NullTokenizer`` with its own ``--vocab-size``) needs. :func:`resolve_tokenizer`
+checks it against the checkpoint's vocabulary; a ``NullTokenizer`` run at another vocabulary than
+bytes without one exports its weights only (:data:`NO_TOKENIZER`).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -34,11 +42,12 @@ _CHECK_TEXT = ("  To be, or not to be: that is the question.\n\tWhether 'tis nob
 
 def _existing(path, field: str) -> Path:
     if not path:
-        raise ValueError(f"{field}: the checkpoint's args name no tokenizer file; export with --tokenizer-model PATH")
+        raise ValueError(f"{field}: the checkpoint's args name no tokenizer file; export with --tokenizer-model PATH "
+                         "(the run's tokenizer file) or --hf-tokenizer PATH (a tokenizer of your own)")
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{field}: {path} does not exist here (the path the run trained with); "
-                         "pass --tokenizer-model PATH to export-hf")
+                         "pass --tokenizer-model PATH (that file, where it is now) or --hf-tokenizer PATH to export-hf")
     return path
 
 
@@ -59,6 +68,100 @@ def build_tokenizer(args: argparse.Namespace, tokenizer_model: str | os.PathLike
     if kind == "NullTokenizer":
         return byte_tokenizer(int(args.vocab_size))
     raise ValueError(f"tokenizer_type: {kind!r} cannot be exported; supported: {', '.join(SUPPORTED)}")
+
+
+# ------------------------------------------------------------------------------ the user's own tokenizer
+@dataclasses.dataclass
+class ResolvedTokenizer:
+    tokenizer: object  # a PreTrainedTokenizerFast, or None: the export writes the weights only
+    description: str  # one line for the export's output
+
+
+def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
+    """megatron's embedding rows for ``vocab_size`` tokens under the run's padding
+    (``--make-vocab-size-divisible-by`` x the TP size it trained at)."""
+    multiple = int(getattr(args, "make_vocab_size_divisible_by", 128) or 1) * int(
+        getattr(args, "tensor_model_parallel_size", 1) or 1)
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def load_user_tokenizer(path: str | os.PathLike):
+    """A tokenizer the user gives: a folder written by ``save_pretrained`` (what ``AutoTokenizer``
+    loads), a ``tokenizer.json`` of the ``tokenizers`` library, or a SentencePiece BPE ``.model``."""
+    path = Path(path)
+    fix = ("fix: give a folder written by tokenizer.save_pretrained(DIR), a tokenizer.json, or a "
+           "SentencePiece BPE .model file")
+    if not path.exists():
+        raise ValueError(f"hf_tokenizer: {path} does not exist; {fix}")
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except Exception as error:  # transformers raises OSError, ValueError, KeyError, ... here
+            reason = " ".join(str(error).split())[:200]
+            raise ValueError(f"hf_tokenizer: {path} is not a tokenizer folder transformers can load ({reason}); "
+                             f"{fix}") from None
+    if path.suffix == ".model":
+        return sentencepiece_tokenizer(path)
+    if path.suffix == ".json":
+        from transformers import PreTrainedTokenizerFast
+
+        try:
+            return PreTrainedTokenizerFast(tokenizer_file=str(path))
+        except Exception as error:
+            reason = " ".join(str(error).split())[:200]
+            raise ValueError(f"hf_tokenizer: {path} is not a tokenizers JSON file ({reason}); {fix}") from None
+    raise ValueError(f"hf_tokenizer: {path} is neither a folder, a .json nor a .model file; {fix}")
+
+
+def check_vocabulary(tokenizer, args: argparse.Namespace, source) -> None:
+    """A supplied tokenizer must be the one the run's token ids come from: for a ``NullTokenizer`` run
+    exactly its ``--vocab-size``, otherwise as many tokens as pad to the checkpoint's embedding rows."""
+    size, rows = len(tokenizer), int(args.padded_vocab_size)
+    if getattr(args, "tokenizer_type", None) == "NullTokenizer" and getattr(args, "vocab_size", None):
+        if size != int(args.vocab_size):
+            raise ValueError(f"hf_tokenizer: {source} has {size} tokens but the checkpoint was trained with "
+                             f"--vocab-size {args.vocab_size} (NullTokenizer: pre-tokenized ids; {rows} embedding rows "
+                             "after padding); fix: give the tokenizer the data was tokenized with")
+        return
+    if size > rows or padded_vocab_size(size, args) != rows:
+        raise ValueError(f"hf_tokenizer: {source} has {size} tokens (padded: {padded_vocab_size(size, args)} rows) but "
+                         f"the checkpoint's vocabulary has {rows} embedding rows; fix: give the tokenizer the run "
+                         "trained with")
+
+
+NO_TOKENIZER = ("weights only, no tokenizer written: the run used NullTokenizer (pre-tokenized ids) with "
+                "--vocab-size {vocab}, which is not bytes; add the tokenizer your data was tokenized with "
+                "later: xmod add-tokenizer {output} --hf-tokenizer PATH (or export again with --hf-tokenizer PATH)")
+
+
+def resolve_tokenizer(args: argparse.Namespace, output, tokenizer_model=None, hf_tokenizer=None) -> ResolvedTokenizer:
+    """The tokenizer an export writes, checked against the checkpoint's vocabulary before any tensor
+    is read: ``hf_tokenizer`` (the user's own) if given; else the run's (``tokenizer_model``: its
+    file at a new path); a ``NullTokenizer`` run names no file, so there ``tokenizer_model`` is the
+    user's own too, and without either only a byte vocabulary (256/257) has a tokenizer."""
+    kind = getattr(args, "tokenizer_type", None)
+    if hf_tokenizer is not None and tokenizer_model is not None:
+        raise ValueError("hf_tokenizer: give either --hf-tokenizer (your own tokenizer) or --tokenizer-model (the "
+                         "run's tokenizer file at a new path), not both")
+    note = ""
+    if kind == "NullTokenizer" and tokenizer_model is not None:  # nothing of the run's to relocate
+        hf_tokenizer, note = tokenizer_model, " (--tokenizer-model of a NullTokenizer run: taken as --hf-tokenizer)"
+    if hf_tokenizer is not None:
+        tokenizer = load_user_tokenizer(hf_tokenizer)
+        check_vocabulary(tokenizer, args, hf_tokenizer)
+        return ResolvedTokenizer(tokenizer, f"tokenizer: {hf_tokenizer}, {len(tokenizer)} tokens{note}")
+    if kind == "NullTokenizer" and getattr(args, "vocab_size", None) not in (256, 257):
+        return ResolvedTokenizer(None, NO_TOKENIZER.format(vocab=args.vocab_size, output=output))
+    tokenizer = build_tokenizer(args, tokenizer_model)
+    if len(tokenizer) > int(args.padded_vocab_size):
+        raise ValueError(f"vocab_size: the tokenizer has {len(tokenizer)} tokens but the model only "
+                         f"{args.padded_vocab_size} embedding rows")
+    if kind == "NullTokenizer":
+        return ResolvedTokenizer(tokenizer, f"tokenizer: UTF-8 bytes (NullTokenizer, --vocab-size {args.vocab_size}); "
+                                            "if your data was tokenized otherwise, export with --hf-tokenizer PATH")
+    return ResolvedTokenizer(tokenizer, f"tokenizer: the run's {kind}, {len(tokenizer)} tokens")
 
 
 def export_tokenizer(args: argparse.Namespace, output_dir: str | os.PathLike,

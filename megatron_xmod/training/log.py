@@ -17,6 +17,12 @@ read them; see docs/scaling.md):
 - ``routing/eval_<metric>`` (and per layer): the same statistics of each validation, written at the
   iteration of that validation (the last one included) by :meth:`RoutingLog.evaluation`, with
   ``routing/eval_<metric> random`` beside them (what routing blind to the tokens would give).
+
+The adjacent Jaccard of a layer pair where neither layer routed a token is undefined: the layers
+record ``jaccard_tensor``'s 1 for it, so :func:`drop_undefined_jaccard` leaves such a pair out of
+the per-layer values and the means, and the console says ``n.a.``. From the interval means it can
+recognise a pair that routed nothing over the whole interval (a validation where the threshold
+rule routes no token); a single empty step among routed ones still counts 1 in its layer's mean.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import torch
 from megatron_xmod.accounting import ModelCount, count, dense_reference
 from megatron_xmod.presets import Backbone, ModelDescription
 from megatron_xmod.xmod.layout import Layout, parse_layout
-from megatron_xmod.xmod.routing_state import per_layer, report, routing_states
+from megatron_xmod.xmod.routing_state import per_layer, routing_states
 
 
 def describe_from_args(args) -> Optional[ModelDescription]:
@@ -104,6 +110,31 @@ def mean_reference(layout: Layout, metric: str, layers: dict[int, float]) -> Opt
     refs = [random_reference(layout, metric, n) for n in layers]
     refs = [r for r in refs if r is not None]
     return sum(refs) / len(refs) if refs and len(refs) == len(layers) else None
+
+
+# ----------------------------------------------------------------------------- undefined Jaccard
+def undefined_jaccard_layers(layers: dict[str, dict[int, float]], prefix: str = "") -> set[int]:
+    """Layers ``n`` whose adjacent Jaccard (against the sparse layer ``n - 1`` before it in its block)
+    is undefined over the interval: neither layer routed a token (both selected fractions 0)."""
+    selected = layers.get(prefix + "selected_fraction", {})
+    return {n for n in layers.get(prefix + "adjacent_jaccard", {})
+            if selected.get(n) == 0.0 and selected.get(n - 1) == 0.0}
+
+
+def drop_undefined_jaccard(layers: dict[str, dict[int, float]], prefix: str = "") -> tuple[dict, int, int]:
+    """``layers`` ({metric: {layer: interval mean}}) without the undefined adjacent Jaccard values,
+    and (undefined pairs, pairs) of that metric."""
+    name = prefix + "adjacent_jaccard"
+    undefined = undefined_jaccard_layers(layers, prefix)
+    pairs = len(layers.get(name, {}))
+    if undefined:
+        layers = dict(layers)
+        layers[name] = {n: v for n, v in layers[name].items() if n not in undefined}
+    return layers, len(undefined), pairs
+
+
+def _not_available(undefined: int, pairs: int) -> str:
+    return f"n.a. for {undefined} of {pairs} layer pairs: neither layer routed a token"
 
 
 # ----------------------------------------------------------------------------- start-up summary
@@ -289,7 +320,15 @@ class RoutingLog:
         self._clock, self._paused = (now, iteration, tokens), 0.0
         names = metric_names()
         world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
-        routing = report(self.model_chunks, names=names, num_layers=args.num_layers, group=world)
+        layers = per_layer(self.model_chunks, names=names, num_layers=args.num_layers, group=world)
+        for state in routing_states(self.model_chunks):
+            state.reset()
+        layers, undefined, pairs = drop_undefined_jaccard(layers)
+        routing: dict[str, float] = {}
+        for name, values in layers.items():
+            if values:
+                routing[name] = sum(values.values()) / len(values)
+                routing.update({f"{name}/layer_{n:03d}": v for n, v in values.items()})
         scalars.update({f"routing/{name}": value for name, value in routing.items()})
         writer = get_tensorboard_writer()
         if writer is not None:
@@ -305,6 +344,8 @@ class RoutingLog:
         # Under top-k training the selected fraction is 1/K by construction: it is in tensorboard only.
         parts += [f"{name}: {routing[name]:.4f}" for name in names
                   if name in routing and name != "selected_fraction" and not name.startswith("eval_")]
+        if undefined == pairs > 0:
+            parts.append(f"adjacent_jaccard: {_not_available(undefined, pairs)}")
         print_rank_last(f" [xmod] iteration {iteration:8d} | " + " | ".join(parts))
         return scalars
 
@@ -324,10 +365,14 @@ class RoutingLog:
         world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
         layers = per_layer(self.model_chunks, names=names, num_layers=args.num_layers, group=world)
         reset_metrics(self.model_chunks, names)
+        layers, undefined, pairs = drop_undefined_jaccard(layers, "eval_")
         layout = layout_from_args(args)
         scalars: dict[str, float] = {}
         parts = []
         for name in names:
+            if name == "eval_adjacent_jaccard" and undefined == pairs > 0:
+                parts.append(f"adjacent jaccard: {_not_available(undefined, pairs)}")
+                continue
             if not layers.get(name):
                 continue
             values = layers[name]
@@ -336,12 +381,13 @@ class RoutingLog:
             scalars.update({f"routing/{name}/layer_{n:03d}": v for n, v in values.items()})
             reference = mean_reference(layout, name, values)
             label = name.removeprefix("eval_").replace("_", " ")
+            notes = []
             if reference is not None:
                 scalars[f"routing/{name} random"] = reference
-                what = "1/K" if name == "eval_selected_fraction" else "random"
-                parts.append(f"{label}: {mean:.4f} ({what}: {reference:.4f})")
-            else:
-                parts.append(f"{label}: {mean:.4f}")
+                notes.append(f"{'1/K' if name == 'eval_selected_fraction' else 'random'}: {reference:.4f}")
+            if name == "eval_adjacent_jaccard" and undefined:
+                notes.append(_not_available(undefined, pairs))
+            parts.append(f"{label}: {mean:.4f}" + (f" ({'; '.join(notes)})" if notes else ""))
         writer = get_tensorboard_writer()
         if writer is not None and write_to_tensorboard and split == "validation":
             for tag, value in scalars.items():
