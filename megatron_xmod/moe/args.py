@@ -59,9 +59,6 @@ def _targets(text: str) -> list[float]:
             f"dtopp_layer_targets: expected numbers separated by commas, got {text!r}") from None
 
 
-# Ends a help that states its default itself (every dest below defaults to None, "not given"): the
-# entry point's ArgumentDefaultsHelpFormatter then adds no "(default: None)" of its own.
-OWN_DEFAULT = "%(default).0s"
 
 
 def add_moe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -75,34 +72,34 @@ def add_moe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--moe-preset-expanded", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--moe-router-type", dest="moe_router_type", default=None, choices=ROUTER_TYPES,
                    help="topk (megatron), dtopp (PI-controlled Top-p), topp-fixed (ablation) (default: topk, or "
-                        "the --moe-preset's router)" + OWN_DEFAULT)
+                        "the --moe-preset's router)")
     g.add_argument("--dtopp-target-experts", dest="dtopp_target_experts", type=float, default=None,
                    help="T, routed experts per token on average (default: the --moe-preset's, e.g. 6 for "
-                        "moe-8x64; required for --moe-router-type dtopp without a preset)" + OWN_DEFAULT)
+                        "moe-8x64; required for --moe-router-type dtopp without a preset)")
     g.add_argument("--dtopp-layerwise", dest="dtopp_layerwise", action="store_true", default=None,
-                   help="one PI controller per layer (default: off, one controller for all layers)" + OWN_DEFAULT)
+                   help="one PI controller per layer (default: off, one controller for all layers)")
     g.add_argument("--dtopp-layer-targets", dest="dtopp_layer_targets", type=_targets, default=None,
                    help="per-layer targets for --dtopp-layerwise, comma separated (default: "
-                        "--dtopp-target-experts in every layer)" + OWN_DEFAULT)
+                        "--dtopp-target-experts in every layer)")
     g.add_argument("--dtopp-kp", dest="dtopp_kp", type=float, default=None,
-                   help=f"K_pro (default: {_DEFAULTS['dtopp_kp']}, or the --moe-preset's)" + OWN_DEFAULT)
+                   help=f"K_pro (default: {_DEFAULTS['dtopp_kp']}, or the --moe-preset's)")
     g.add_argument("--dtopp-ki", dest="dtopp_ki", type=float, default=None,
-                   help=f"K_int (default: {_DEFAULTS['dtopp_ki']}, or the --moe-preset's)" + OWN_DEFAULT)
+                   help=f"K_int (default: {_DEFAULTS['dtopp_ki']}, or the --moe-preset's)")
     g.add_argument("--dtopp-p0", dest="dtopp_p0", type=float, default=None,
                    help=f"initial threshold; the threshold of topp-fixed (default: {_DEFAULTS['dtopp_p0']}, or "
-                        "the --moe-preset's)" + OWN_DEFAULT)
+                        "the --moe-preset's)")
     g.add_argument("--dtopp-routing-norm", dest="dtopp_routing_norm", default=None, choices=ROUTING_NORMS,
                    help="DRN: learnable, fixed or none (default: the --moe-preset's, else learnable for dtopp, "
-                        "fixed for topp-fixed, none for topk)" + OWN_DEFAULT)
+                        "fixed for topp-fixed, none for topk)")
     g.add_argument("--dtopp-routing-norm-init", dest="dtopp_routing_norm_init", type=float, default=None,
                    help=f"the DRN temperature theta: its initial value (learnable) or its value (fixed) "
-                        f"(default: {_DEFAULTS['dtopp_routing_norm_init']}, or the --moe-preset's)" + OWN_DEFAULT)
+                        f"(default: {_DEFAULTS['dtopp_routing_norm_init']}, or the --moe-preset's)")
     g.add_argument("--dtopp-dynamic-loss-coeff", dest="dtopp_dynamic_loss_coeff", type=float, default=None,
                    help=f"entropy loss (default: {_DEFAULTS['dtopp_dynamic_loss_coeff']}); the load-balancing "
-                        "loss is megatron's --moe-aux-loss-coeff, the router z-loss --moe-z-loss-coeff" + OWN_DEFAULT)
+                        "loss is megatron's --moe-aux-loss-coeff, the router z-loss --moe-z-loss-coeff")
     g.add_argument("--lm-z-loss-coeff", dest="lm_z_loss_coeff", type=float, default=None,
                    help=f"LM z-loss coefficient, DTop-p paper: 1e-4 (default: {_DEFAULTS['lm_z_loss_coeff']:g} = off, "
-                        "or the --moe-preset's)" + OWN_DEFAULT)
+                        "or the --moe-preset's)")
     return parser
 
 

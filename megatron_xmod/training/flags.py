@@ -35,10 +35,6 @@ _LAYOUT_FLAGS = {"--xmod-model", "--xmod-routing-family", "--xmod-layout", "--xm
                  "--xmod-dense-prefix", "--xmod-activated-depth"}
 
 
-# The entry point's --help (ArgumentDefaultsHelpFormatter) appends "(default: <argparse default>)" to
-# every help that does not mention %(default). A help that states its default itself (a None that
-# means "derived", a switch whose off state needs words) ends with this empty field instead.
-OWN_DEFAULT = "%(default).0s"
 
 
 def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -60,13 +56,13 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="A: a sparse block is A*K sparse layers and one dense anchor (X-MoD)")
     group.add_argument("--xmod-dense-prefix", dest="xmod_dense_prefix", type=int, default=None,
                        help="N0: dense layers before the first sparse block of a derived layout (default: 4 for "
-                            "X-MoD and named models; for MoD what fills the activated depth)" + OWN_DEFAULT)
+                            "X-MoD and named models; for MoD what fills the activated depth)")
     group.add_argument("--xmod-layout", dest="xmod_layout", default=None,
                        help="an explicit layout, e.g. 'D*4 + (S8*8 + D)*4' (D dense, S<K> sparse)")
     group.add_argument("--xmod-activated-depth", dest="xmod_activated_depth", type=int, default=None,
                        help="layers a token passes through on average (a sparse layer counts 1/K); derives the "
                             "layout of --xmod-model / --xmod-sparsity-k (default: the backbone's num_layers, else 28)"
-                            + OWN_DEFAULT)
+                           )
     group.add_argument("--xmod-token-choice-bias-tau", dest="xmod_token_choice_bias_tau", type=float, default=0.5,
                        help="tau of the token-choice bias (Eq.8); 0 switches it off")
     group.add_argument("--xmod-token-choice-bias-tau-warmup", dest="xmod_token_choice_bias_tau_warmup", type=int,
@@ -79,7 +75,7 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="initial X-MoD gate scale (varsigma of Eq.7)")
     group.add_argument("--xmod-fixed-gate-scale", dest="xmod_gate_scale_learnable", action="store_false",
                        help="keep varsigma at --xmod-gate-scale-init, not learned (ablation 'w/o gated residual "
-                            "scaling'; default: off, varsigma is learned)" + OWN_DEFAULT)
+                            "scaling'; default: off, varsigma is learned)")
     group.add_argument("--xmod-eval-routing", dest="xmod_eval_routing", default="threshold", choices=("threshold", "topk"),
                        help="routing rule at validation: threshold (deployable, sigmoid > 0.5) or top-k")
     group.add_argument("--xmod-muon-table5", action="store_true", help="the paper's Muon settings (Table 5)")
@@ -89,11 +85,11 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--xmod-validation-continues", action="store_true",
                        help="each validation scores the next --eval-iters batches, as megatron's evaluate() does "
                             "(default: off, every validation scores the same first batches, so a curve shows "
-                            "progress rather than batch difficulty)" + OWN_DEFAULT)
+                            "progress rather than batch difficulty)")
     group.add_argument("--xmod-pipeline-balance", default="default", choices=("default", "auto"),
                        help="auto: with --pipeline-model-parallel-size > 1 and no split of your own, the cost-balanced "
                             "--pipeline-model-parallel-layout of `xmod partition`; default: megatron's own split"
-                            + OWN_DEFAULT)
+                           )
     group.add_argument("--xmod-cpu", action="store_true",
                        help="megatron on a CPU: " + " ".join(CPU_FLAGS))
     group.add_argument("--xmod-megatron-args", default="auto", choices=("auto", "console", "file"),

@@ -86,6 +86,19 @@ def _pretrain(argv: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- --help
+class DefaultsOnceHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)", only where it says something: not after a help that states its
+    default itself (ours, and megatron's "Defaults to ..."), not for None (derived or unset), and not
+    for on/off switches, whose argparse default is the opposite of the switch (--xmod-fixed-gate-scale
+    stores False into gate_scale_learnable: "(default: True)" would read as "fixed by default")."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default is None or action.nargs == 0:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """megatron's full parser plus the plugin's groups, as the entry point parses them."""
     from megatron.training.arguments import add_megatron_arguments
@@ -93,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_xmod.training.flags import add_arguments
 
     parser = argparse.ArgumentParser(
-        prog=PROG, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog=PROG, allow_abbrev=False, formatter_class=DefaultsOnceHelpFormatter,
         description="Megatron-LM's pretrain_gpt.py with Dense / MoD / X-MoD / MoE (DTop-p) models. Our groups "
                     "'X-MoD' and 'MoE' are listed first; every megatron flag follows.")
     add_arguments(parser)
