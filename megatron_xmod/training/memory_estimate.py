@@ -433,7 +433,7 @@ def check_launch_memory(args, limit_gb: Optional[float] = None) -> int:
         print(f"[dry-run] memory: not estimated: {why}")
         return 0
     except ValueError as error:  # a launch megatron would refuse or crash on (e.g. MoE at TP > 1 without SP)
-        print(f"[dry-run] FAILED (memory): {error}")
+        print(f"[dry-run] FAILED: {error}")
         return 1
     print(f"[dry-run] memory per GPU (estimate, before CUDA/NCCL overheads; GPU_MEM_GB={limit_gb:g}):")
     print(format_estimate(est))
