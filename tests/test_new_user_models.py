@@ -2,12 +2,14 @@
 built model, activations against the bytes autograd saves), small backbones in ``xmod count`` /
 ``partition`` / ``plan``, and the dense-prefix error naming the flags that set it."""
 import argparse
+import json
 
 import pytest
 import torch
 from helpers import TINY
 
-from megatron_xmod.presets import BACKBONES, get_backbone, parse_model
+from megatron_xmod.cli import main as xmod
+from megatron_xmod.presets import BACKBONES, backbone_to_dict, get_backbone, parse_model
 from megatron_xmod.training.memory_estimate import (
     MoELayerShape,
     Parallel,
@@ -164,3 +166,86 @@ def test_dry_run_estimates_moe_launches(capsys, monkeypatch):
     assert check_launch_memory(dtopp, limit_gb=80) == 0
     assert check_launch_memory(_launch_args(moe_router_type="topp-fixed"), limit_gb=80) == 0
     assert "memory: not estimated: moe_router_type: topp-fixed" in capsys.readouterr().out
+
+
+# --- item 7: small or own backbones --------------------------------------------------------------------
+
+@pytest.fixture
+def four_layers(tmp_path):
+    """The issue's backbone file: TINY, 4 layers (too shallow for K = 8 MoD or an X-MoD block after N0 = 4)."""
+    path = tmp_path / "mybb.json"
+    path.write_text(json.dumps(backbone_to_dict(TINY)))
+    return path
+
+
+def test_count_skips_default_models_the_backbone_cannot_build(four_layers, capsys):
+    assert xmod(["count", "--backbone", str(four_layers), "--seq-len", "256"]) == 0
+    out = capsys.readouterr().out
+    skipped = [line for line in out.splitlines() if line.startswith("note: skipped")]
+    assert [line.split()[2] for line in skipped] == ["mod", "xmod-a4k8", "xmod-a3k16"]
+    assert "sparsity_k: MoD with K=8 cannot fill 4 activated layers" in skipped[0] and "mod-k3" in skipped[0]
+    assert "dense_prefix: 4 leaves no room" in skipped[2]
+    assert "\ndense " in out  # the table still has the dense model
+    # --json: the JSON lines stay parseable, the notes go to stderr
+    assert xmod(["count", "--backbone", str(four_layers), "--seq-len", "256", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line)["model"] for line in captured.out.splitlines()] == ["dense"]
+    assert captured.err.count("note: skipped") == 3
+    # --memory takes the same default list
+    assert xmod(["count", "--backbone", str(four_layers), "--seq-len", "256", "--memory"]) == 0
+    assert "note: skipped mod" in capsys.readouterr().out
+    # a model asked for by name is still an error
+    assert xmod(["count", "--backbone", str(four_layers), "--model", "mod"]) == 2
+    assert "sparsity_k: MoD with K=8" in capsys.readouterr().err
+
+
+def test_dense_prefix_error_names_the_flags_and_a_value_that_fits(four_layers, capsys):
+    assert xmod(["count", "--backbone", str(four_layers), "--model", "xmod-a1k4"]) == 2
+    err = capsys.readouterr().err
+    assert "dense_prefix: 4 leaves no room for a sparse block in 4 activated layers; set N0 = 2" in err
+    assert "--dense-prefix 2 for xmod count / partition / plan" in err and "--xmod-dense-prefix 2" in err
+    # the value it names fits, in xmod count and at the entry point
+    assert xmod(["count", "--backbone", str(four_layers), "--model", "xmod-a1k4", "--dense-prefix", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"] == "D*2 + (S4*4 + D)"
+    from megatron_xmod.training.flags import expand_arguments
+
+    argv = expand_arguments(["--xmod-backbone", str(four_layers), "--xmod-model", "xmod-a1k4", "--xmod-dense-prefix", "2"])
+    assert argv[argv.index("--xmod-layout") + 1] == "D*2 + (S4*4 + D)"
+    with pytest.raises(ValueError, match="--xmod-dense-prefix 2"):
+        expand_arguments(["--xmod-backbone", str(four_layers), "--xmod-model", "xmod-a1k4"])
+    # N1 not whole on a 28-layer backbone: the nearest N0 that makes it whole
+    with pytest.raises(ValueError, match=r"anchor_stride: N1 = .*\(28 - 5\)/\(1 \+ 1\).*set N0 = 4 \(--dense-prefix 4"):
+        parse_model("xmod-a1k4", BACKBONES["165m"], dense_prefix=5)
+
+
+def test_partition_takes_a_backbone_file(four_layers, capsys):
+    argv = ["partition", "--backbone", str(four_layers), "--model", "xmod-a1k4", "--dense-prefix", "2", "--pp", "2",
+            "--seq-len", "256", "--json"]
+    assert xmod(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["backbone"] == "mybb" and len(out["stages"]) == 2
+    assert sum(stage["layers"] for stage in out["stages"]) == 7  # D*2 + (S4*4 + D)
+    # the same backbone as a preset-like object and as the file give one partition
+    from megatron_xmod.cli.partition import plan
+
+    assert plan(TINY, "xmod-a1k4", 256, 2, dense_prefix=2)[0].layout == out["layout"]
+
+
+def test_plan_uses_the_backbones_depth_and_refuses_a_disagreeing_n_act(four_layers, capsys):
+    # --backbone alone: planned on it (the default --n-act no longer names 556m against it)
+    assert xmod(["plan", "--backbone", str(four_layers), "--seq-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "backbone mybb" in out and "(4-N0)/(1+A) with N0 = 4" in out and "(28-N0)" not in out
+    assert "no sparse layout fits backbone mybb (4 activated layers)" in out and "--dense-prefix 2" in out
+    argv = ["plan", "--backbone", str(four_layers), "--seq-len", "256", "--dense-prefix", "0", "--all", "--json"]
+    assert xmod(argv) == 0  # with room for the blocks, sparse layouts are candidates
+    assert any(c["K"] > 1 and c["layout"].startswith("(S") for c in json.loads(capsys.readouterr().out)["candidates"])
+    # a number of parameters that disagrees with the backbone: refused, naming both sizes
+    assert xmod(["plan", "--backbone", str(four_layers), "--n-act", "300M"]) == 2
+    err = capsys.readouterr().err
+    assert "n_act: 300M disagrees with backbone mybb" in err and "0.181M" in err and "leave --n-act out" in err
+    # one that agrees (a nominal size) is used by the law and said so
+    assert xmod(["plan", "--backbone", "556m", "--n-act", "5.5e8", "--seq-len", "4096", "--A", "1"]) == 0
+    assert "N_act = 550M in the law, layouts counted on backbone 556m (543M)" in capsys.readouterr().out
+    assert xmod(["plan", "--backbone", "556m", "--n-act", "165m"]) == 2
+    assert "--n-act 165m already names a backbone" in capsys.readouterr().err
