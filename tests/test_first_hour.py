@@ -182,7 +182,7 @@ def test_n_act_as_a_number_uses_that_number_in_the_law(capsys, demo_backbone_fil
     d = design("298m", plan["K"], 1.0, 8192)
     assert plan["predicted_delta"] == pytest.approx(float(predict_delta(TABLE8, 300e6, d.capacity_ratio, 8192,
                                                                          plan["K"], 1.0)))
-    own = _plan(capsys, "--seq-len", "256", "--n-act", "3e6", "--backbone", str(demo_backbone_file), "--A", "1")
+    own = _plan(capsys, "--seq-len", "256", "--n-act", "14e6", "--backbone", str(demo_backbone_file), "--A", "1")
     assert own["backbone"] == "my_backbone"
 
 

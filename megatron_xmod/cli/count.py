@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from megatron_xmod.accounting import count, dense_reference
 from megatron_xmod.moe.presets import MOE_MODEL_NAMES
@@ -16,7 +17,8 @@ def register(subparsers) -> None:
                         f"{', '.join(BACKBONE_FILE_FIELDS)} (num_layers = the activated depth)")
     p.add_argument("--model", action="append", default=None,
                    help=f"dense, mod, mod-k<K>, xmod-a4k8, xmod-a3k16, xmod-a<A>k<K>, {', '.join(MOE_MODEL_NAMES)}, "
-                        "or a layout such as 'D*4 + (S8*8 + D)*4'; repeat for a table (default: the paper's four)")
+                        "or a layout such as 'D*4 + (S8*8 + D)*4'; repeat for a table (default: the paper's four, "
+                        "less those the backbone cannot build)")
     p.add_argument("--seq-len", type=int, default=32768)
     p.add_argument("--dense-prefix", type=int, default=4, help="N0 for xmod-a<A>k<K> names")
     p.add_argument("--json", action="store_true", help="one JSON object per model, one per line")
@@ -28,9 +30,27 @@ def _fmt(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
 
 
+DEFAULT_MODELS = ("dense", "mod", "xmod-a4k8", "xmod-a3k16")
+
+
+def default_models(backbone, dense_prefix: int, out=None) -> list[str]:
+    """:data:`DEFAULT_MODELS` less those ``backbone`` cannot build (a small backbone has no room for
+    K = 8 MoD or an X-MoD block after N0 dense layers), each skipped one named on a line with its reason."""
+    kept = []
+    for model in DEFAULT_MODELS:
+        try:
+            dense_reference(parse_model(model, backbone, dense_prefix=dense_prefix).layout)
+        except ValueError as why:
+            print(f"note: skipped {model} (default list) on backbone {backbone.name}: {why}", file=out or sys.stdout)
+            continue
+        kept.append(model)
+    return kept
+
+
 def run(args) -> int:
     backbone = resolve_backbone(args.backbone)
-    models = args.model or ["dense", "mod", "xmod-a4k8", "xmod-a3k16"]
+    # an explicitly requested model that cannot be built is an error; the default list skips it
+    models = args.model or default_models(backbone, args.dense_prefix, sys.stderr if args.json else sys.stdout)
     if args.memory:
         return print_memory(args, backbone, models)
     rows = []

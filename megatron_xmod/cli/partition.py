@@ -11,12 +11,14 @@ import json
 
 from megatron_xmod.pipeline.cost import DEFAULT_HARDWARE, Hardware, model_items
 from megatron_xmod.pipeline.partition import Partition, balanced_partition, default_partition
-from megatron_xmod.presets import BACKBONES, get_backbone, parse_model
+from megatron_xmod.presets import BACKBONE_FILE_FIELDS, BACKBONES, Backbone, parse_model, resolve_backbone
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("partition", help="cost-balanced pipeline stages (megatron's --pipeline-model-parallel-layout)")
-    p.add_argument("--backbone", required=True, help=f"one of {', '.join(BACKBONES)}")
+    p.add_argument("--backbone", required=True,
+                   help=f"a preset ({', '.join(BACKBONES)}) or a JSON file with the fields "
+                        f"{', '.join(BACKBONE_FILE_FIELDS)} (as xmod count --backbone)")
     p.add_argument("--model", required=True, help="dense, mod, mod-k<K>, xmod-a4k8, xmod-a3k16, xmod-a<A>k<K> or a layout")
     p.add_argument("--seq-len", type=int, default=32768)
     p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
@@ -35,12 +37,13 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def plan(backbone: str, model: str, seq_len: int, pp: int, vpp: int = 1, micro_batch_size: int = 1,
+def plan(backbone: str | Backbone, model: str, seq_len: int, pp: int, vpp: int = 1, micro_batch_size: int = 1,
          num_microbatches=None, dense_prefix: int = 4, calibration=None,
          hardware: Hardware = DEFAULT_HARDWARE, block_aligned: bool = False) -> tuple[Partition, Partition]:
-    """(balanced, default) partitions of ``model`` on ``backbone``; ``block_aligned``: no balanced stage
-    starts at a sparse layer that continues a block (items are [E, layers, L]: layer i is item i + 1)."""
-    description = parse_model(model, get_backbone(backbone), dense_prefix=dense_prefix)
+    """(balanced, default) partitions of ``model`` on ``backbone`` (a preset, a backbone JSON file or a
+    :class:`Backbone`); ``block_aligned``: no balanced stage starts at a sparse layer that continues a block
+    (items are [E, layers, L]: layer i is item i + 1)."""
+    description = parse_model(model, resolve_backbone(backbone), dense_prefix=dense_prefix)
     items = model_items(description, seq_len, micro_batch_size, hardware, calibration)
     if pp * vpp > len(items):
         raise ValueError(f"pp/vpp: {pp} x {vpp} stages exceed the {len(items) - 2} layers (+ embedding and loss); "
@@ -56,17 +59,18 @@ def _gib(n: float) -> str:
 
 
 def run(args) -> int:
-    balanced, default = plan(args.backbone, args.model, args.seq_len, args.pp, args.vpp, args.micro_batch_size,
+    backbone = resolve_backbone(args.backbone)
+    balanced, default = plan(backbone, args.model, args.seq_len, args.pp, args.vpp, args.micro_batch_size,
                              args.num_microbatches, args.dense_prefix, args.calibration,
                              Hardware(args.flops_per_s, args.bytes_per_s), args.block_aligned)
     if args.json:
         out = balanced.to_dict()
         out.update(default_layout=default.layout, default_max_over_mean=default.max_over_mean,
-                   default_rank_max_over_mean=default.rank_max_over_mean, backbone=args.backbone,
+                   default_rank_max_over_mean=default.rank_max_over_mean, backbone=backbone.name,
                    model=args.model, seq_len=args.seq_len, block_aligned=args.block_aligned)
         print(json.dumps(out))
         return 0
-    print(f"{args.model} on {args.backbone}, L = {args.seq_len}, PP = {args.pp}, VPP = {args.vpp}")
+    print(f"{args.model} on {backbone.name}, L = {args.seq_len}, PP = {args.pp}, VPP = {args.vpp}")
     print(f"--pipeline-model-parallel-layout '{balanced.layout}'")
     print(f"{'rank':>4} {'vp':>3} {'layers':>6}  {'items':<10} {'time ms':>8} {'TFLOPs':>8} {'params M':>9} "
           f"{'act GiB':>8} {'in-flight':>9}")

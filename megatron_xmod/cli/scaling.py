@@ -50,10 +50,11 @@ def load_law(path: str | None) -> LawParams:
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="choose sparsity K and anchor stride A from the X-MoD scaling law")
     p.add_argument("--seq-len", type=int, default=32768, help="training sequence length L (tokens)")
-    p.add_argument("--n-act", default="556m",
+    p.add_argument("--n-act", default=None,
                    help=f"activated size: a preset ({', '.join(BACKBONES)}), a backbone JSON file, or a number of "
-                        "parameters (165e6, 300M): a number is planned on --backbone, else on the preset of "
-                        "nearest size")
+                        "parameters (165e6, 300M): a number is planned on the preset of nearest size, or on --backbone "
+                        f"when it agrees with that backbone's own activated size (within {N_ACT_TOLERANCE:.0%}); "
+                        "default: --backbone's, else 556m")
     p.add_argument("--backbone", default=None,
                    help="the backbone whose layouts are counted (a preset or a JSON file, see `xmod count --help`); "
                         "default: the one --n-act names")
@@ -96,7 +97,7 @@ def register(subparsers) -> None:
 
 
 def _fmt(n: float) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.3g}M"
 
 
 def _infeasible_summary(items: list[dict]) -> str:
@@ -105,21 +106,35 @@ def _infeasible_summary(items: list[dict]) -> str:
     return "; ".join(f"A={g['A']:g}: K={k_ranges(g['K'])}" for g in group_infeasible(items))
 
 
-def plan_backbone(n_act: str, backbone: str | None) -> tuple[Backbone, float | None, str]:
+# How far a numeric --n-act may be from the --backbone's own activated size (the dense model of its
+# depth, embeddings included, as the law counts N_act): nominal sizes such as 556M for 543M pass.
+N_ACT_TOLERANCE = 0.10
+
+
+def plan_backbone(n_act: str | None, backbone: str | None) -> tuple[Backbone, float | None, str]:
     """(backbone the layouts are counted on, N_act the law uses or None for the counted one, note)."""
+    from megatron_xmod.accounting import count_model
+
+    if n_act is None:
+        return resolve_backbone(backbone or "556m"), None, ""
     if not _is_number(n_act):
         named = resolve_backbone(n_act)
         if backbone is not None and resolve_backbone(backbone) != named:
             raise ValueError(f"backbone: --n-act {n_act} already names a backbone; give --n-act as a number of "
-                             "parameters to plan it on --backbone")
+                             "parameters to plan it on --backbone, or leave --n-act out")
         return named, None, ""
     value = _size(n_act, "n_act")
     if not value > 0:
         raise ValueError(f"n_act: must be > 0, got {n_act!r}")
     if backbone is not None:
-        return resolve_backbone(backbone), value, f"N_act = {value / 1e6:.0f}M on backbone {backbone}"
-    from megatron_xmod.accounting import count_model
-
+        b = resolve_backbone(backbone)
+        own = count_model(b, f"D*{b.num_layers}", 2048).active_params
+        if abs(value - own) > N_ACT_TOLERANCE * own:
+            raise ValueError(f"n_act: {value / 1e6:.3g}M disagrees with backbone {b.name}, whose {b.num_layers}-layer "
+                             f"dense model activates {own / 1e6:.3g}M parameters (embeddings included, as the law "
+                             f"counts N_act); leave --n-act out to plan on the backbone's own size, or give a number "
+                             f"within {N_ACT_TOLERANCE:.0%} of it")
+        return b, value, f"N_act = {value / 1e6:.3g}M in the law, layouts counted on backbone {b.name} ({own / 1e6:.3g}M)"
     nearest = min(BACKBONES.values(), key=lambda b: abs(math.log(count_model(b, f"D*{b.num_layers}", 2048).active_params
                                                                  / value)))
     return nearest, value, (f"N_act = {value / 1e6:.0f}M; layouts counted on the nearest preset, {nearest.name} "
@@ -185,7 +200,12 @@ def run_plan(args) -> int:
               f"{r['N_act'][1] / 1e6:.0f}M, K <= {r['K'][1]}, A = {r['A'][0]:g}..{r['A'][1]:g} (notes below say when "
               "a plan leaves it)")
     if plan.infeasible:
-        print(f"  infeasible (A*K or (28-N0)/(1+A) not whole), skipped: {_infeasible_summary(plan.infeasible)}")
+        print(f"  infeasible (A*K or N1 = ({backbone.num_layers}-N0)/(1+A) with N0 = {args.dense_prefix} not whole), "
+              f"skipped: {_infeasible_summary(plan.infeasible)}")
+        if not any(o.design.K > 1 for o in plan.options):
+            first = next((i for i in plan.infeasible if i["A"] == 1.0), plan.infeasible[0])
+            print(f"  note: no sparse layout fits backbone {backbone.name} ({backbone.num_layers} activated layers); "
+                  f"at K = {first['K']}, A = {first['A']:g}: {first['reason']}")
     if plan.over_budget:
         print(f"  {len(plan.over_budget)} candidates above the parameter cap")
     for w in plan.warnings:

@@ -40,7 +40,7 @@ def outside_fitted_range(seq_len: int, n_act: float, K: int, A: Optional[float])
         notes.append(f"L = {seq_len} is outside the law's fitted range L = {lo}..{hi} (extrapolation)")
     lo, hi = FITTED_RANGE["N_act"]
     if not 0.95 * lo <= n_act <= 1.05 * hi:
-        notes.append(f"N_act = {n_act / 1e6:.0f}M is outside the law's fitted range {lo / 1e6:.0f}M..{hi / 1e6:.0f}M "
+        notes.append(f"N_act = {n_act / 1e6:.3g}M is outside the law's fitted range {lo / 1e6:.0f}M..{hi / 1e6:.0f}M "
                      "(extrapolation)")
     if K > FITTED_RANGE["K"][1]:
         notes.append(f"K = {K} is above the largest K the law was fitted on ({FITTED_RANGE['K'][1]}; the A-K term saw "

@@ -197,15 +197,42 @@ def _whole(value: Fraction | float, field: str, what: str) -> int:
     return int(value)
 
 
+def fitting_dense_prefix(anchor_stride: float, activated_depth: int, dense_prefix: int) -> Optional[int]:
+    """The dense prefix N0 nearest ``dense_prefix`` (the smaller one on a tie) that leaves a whole number
+    N1 >= 1 of sparse blocks in ``activated_depth`` layers, each activating 1 + A; None when none does."""
+    a = Fraction(anchor_stride).limit_denominator(10_000)
+    fits = [n0 for n0 in range(activated_depth)
+            if (Fraction(activated_depth - n0) / (1 + a)).denominator == 1]
+    return min(fits, key=lambda n0: (abs(n0 - dense_prefix), n0)) if fits else None
+
+
+def _prefix_fix(anchor_stride: float, activated_depth: int, dense_prefix: int, no_room: bool) -> str:
+    """How to fix N0, naming the flags that set it (xmod count / partition / plan; the entry point and launchers)."""
+    fit = fitting_dense_prefix(anchor_stride, activated_depth, dense_prefix)
+    if fit is None:
+        return (f"no dense prefix leaves whole blocks of 1 + A = {1 + anchor_stride:g} activated layers in "
+                f"{activated_depth}; use another A or a backbone of another depth (num_layers)")
+    return (f"set N0 = {fit} (--dense-prefix {fit} for xmod count / partition / plan, --xmod-dense-prefix {fit} for "
+            "python -m megatron_xmod.pretrain and the launchers' EXTRA_ARGS)"
+            + (", or use a deeper backbone (num_layers)" if no_room else ""))
+
+
 def xmod_notation(sparsity_k: int, anchor_stride: float, dense_prefix: int, activated_depth: int) -> str:
     """Eq.(3): [Dense]*N0 + ([Sparse(K)]*AK + [Dense])*N1 with N1 = (depth - N0) / (1 + A)."""
     sparse_per_block = _whole(Fraction(anchor_stride).limit_denominator(10_000) * sparsity_k,
                               "anchor_stride", f"A*K (= {anchor_stride:g}*{sparsity_k}, sparse layers per block)")
-    num_blocks = _whole(Fraction(activated_depth - dense_prefix) / (1 + Fraction(anchor_stride).limit_denominator(10_000)),
-                        "anchor_stride",
-                        f"N1 = (activated_depth - dense_prefix)/(1 + A) = ({activated_depth} - {dense_prefix})/(1 + {anchor_stride:g})")
+    if dense_prefix >= activated_depth:
+        raise LayoutError(f"dense_prefix: {dense_prefix} leaves no room for a sparse block in {activated_depth} "
+                          f"activated layers; {_prefix_fix(anchor_stride, activated_depth, dense_prefix, True)}")
+    n1 = Fraction(activated_depth - dense_prefix) / (1 + Fraction(anchor_stride).limit_denominator(10_000))
+    if n1.denominator != 1:
+        raise LayoutError(f"anchor_stride: N1 = (activated_depth - dense_prefix)/(1 + A) = ({activated_depth} - "
+                          f"{dense_prefix})/(1 + {anchor_stride:g}) must be a whole number, got {float(n1):g}; "
+                          f"{_prefix_fix(anchor_stride, activated_depth, dense_prefix, False)}")
+    num_blocks = int(n1)
     if num_blocks < 1:
-        raise LayoutError(f"dense_prefix: {dense_prefix} leaves no room for a sparse block in {activated_depth} activated layers")
+        raise LayoutError(f"dense_prefix: {dense_prefix} leaves no room for a sparse block in {activated_depth} "
+                          f"activated layers; {_prefix_fix(anchor_stride, activated_depth, dense_prefix, True)}")
     prefix = [f"D*{dense_prefix}"] if dense_prefix > 1 else (["D"] if dense_prefix == 1 else [])
     block = f"(S{sparsity_k}*{sparse_per_block} + D)" if sparse_per_block > 1 else f"(S{sparsity_k} + D)"
     return " + ".join(prefix + [block + (f"*{num_blocks}" if num_blocks > 1 else "")])
@@ -222,11 +249,21 @@ def mod_notation(sparsity_k: int, activated_depth: int, dense_prefix: Optional[i
         groups = (activated_depth - dense_prefix) // (sparsity_k + 1)
     pairs = groups * sparsity_k
     prefix = activated_depth - groups * (sparsity_k + 1)
-    if pairs < 1 or (dense_prefix is not None and prefix != dense_prefix):
+    after = f" after a dense prefix of {dense_prefix}" if dense_prefix is not None else ""
+    if pairs < 1:
+        room = activated_depth - (dense_prefix or 0)
         raise LayoutError(
-            f"sparsity_k: MoD with K={sparsity_k} cannot fill {activated_depth} activated layers"
-            + (f" after a dense prefix of {dense_prefix}" if dense_prefix is not None else "")
-        )
+            f"sparsity_k: MoD with K={sparsity_k} cannot fill {activated_depth} activated layers{after}: each group of "
+            f"K sparse + K dense layers activates K + 1 = {sparsity_k + 1}; "
+            + (f"use K <= {room - 1} (mod-k{room - 1}, --xmod-sparsity-k {room - 1}) or a deeper backbone (num_layers)"
+               if room >= 3 else "use a smaller dense prefix or a deeper backbone (num_layers)"))
+    if dense_prefix is not None and prefix != dense_prefix:
+        fits = [n0 for n0 in range(activated_depth - sparsity_k) if (activated_depth - n0) % (sparsity_k + 1) == 0]
+        fit = min(fits, key=lambda n0: (abs(n0 - dense_prefix), n0))
+        raise LayoutError(
+            f"dense_prefix: MoD with K={sparsity_k} cannot fill {activated_depth} activated layers{after}: groups of "
+            f"K + 1 = {sparsity_k + 1} leave {activated_depth - dense_prefix - groups * (sparsity_k + 1)} over; set "
+            f"--xmod-dense-prefix {fit} (or leave it out)")
     head = [f"D*{prefix}"] if prefix > 1 else (["D"] if prefix == 1 else [])
     return " + ".join(head + [f"(S{sparsity_k} + D)*{pairs}"])
 
