@@ -8,7 +8,10 @@
 #   DRY_RUN=1 ... bash examples/pretrain_gpt_spec.sh     # print the command, validate it, run nothing
 #
 # Knobs: MEGATRON_LM NNODES NPROC NODE_RANK MASTER_ADDR MASTER_PORT TP PP PP_LAYOUT SPEC NUM_LAYERS SEQ
-#        MBS GBS ITERS DATA TOKENIZER CKPT TB EXTRA_ARGS (appended last, so they win).
+#        MBS GBS ITERS DATA TOKENIZER_TYPE TOKENIZER CKPT TB EXTRA_ARGS (appended last, so they win).
+# TOKENIZER_TYPE (default HuggingFaceTokenizer) and TOKENIZER (its --tokenizer-model: a HF folder or name, or
+# a SentencePiece .model) must be the tokenizer DATA was made with: `xmod preprocess` records it in
+# DATA.tokenizer.json and the dry run refuses another (SentencePieceTokenizer for --tokenizer sentencepiece).
 # PP > 1: no pipeline stage may start inside a sparse block (this route cannot carry the token-choice
 # bias between stages). A balanced block-aligned layout for 4 nodes of 8 GPUs at TP 8, PP 4 (run on each
 # node with NODE_RANK and MASTER_ADDR set): NNODES=4 PP=4 \
@@ -35,7 +38,8 @@ MBS=${MBS:-1}
 GBS=${GBS:-80}
 ITERS=${ITERS:-20000}
 DATA=${DATA:?set DATA to a Megatron dataset prefix (PREFIX.bin/.idx; make one with examples/preprocess_data.sh)}
-TOKENIZER=${TOKENIZER:?set TOKENIZER to a Hugging Face tokenizer name or folder}
+TOKENIZER_TYPE=${TOKENIZER_TYPE:-HuggingFaceTokenizer}
+TOKENIZER=${TOKENIZER:?set TOKENIZER to the --tokenizer-model of TOKENIZER_TYPE (a Hugging Face tokenizer folder or name; a SentencePiece .model)}
 CKPT=${CKPT:-checkpoints/${SPEC}_gpt}
 TB=${TB:-tensorboard/${SPEC}_gpt}
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
@@ -107,7 +111,7 @@ if [ -n "$PP_LAYOUT" ]; then PARALLEL_ARGS+=(--pipeline-model-parallel-layout "$
 DATA_ARGS=(
     --data-path "$DATA"
     --split 98,2,0
-    --tokenizer-type HuggingFaceTokenizer
+    --tokenizer-type "$TOKENIZER_TYPE"
     --tokenizer-model "$TOKENIZER"
 )
 

@@ -7,7 +7,10 @@
 #   DRY_RUN=1 ... bash examples/pretrain_xmod.sh     # print the command, validate it, run nothing
 #
 # Knobs: NNODES NPROC NODE_RANK MASTER_ADDR MASTER_PORT TP PP BACKBONE MODEL SEQ MBS GBS ITERS LR
-#        DATA TOKENIZER CKPT TB EXTRA_ARGS (appended last, so they win over everything above).
+#        DATA TOKENIZER_TYPE TOKENIZER CKPT TB EXTRA_ARGS (appended last, so they win over everything above).
+# TOKENIZER_TYPE (default HuggingFaceTokenizer) and TOKENIZER (its --tokenizer-model: a HF folder or name, or
+# a SentencePiece .model) must be the tokenizer DATA was made with: `xmod preprocess` records it in
+# DATA.tokenizer.json and the dry run refuses another (SentencePieceTokenizer for --tokenizer sentencepiece).
 # Multi-node SLURM jobs: slurm/xmod_train.sh.
 set -euo pipefail
 
@@ -27,7 +30,8 @@ GBS=${GBS:-80}
 ITERS=${ITERS:-20000}
 LR=${LR:-3.2e-3}
 DATA=${DATA:?set DATA to a Megatron dataset prefix (PREFIX.bin/.idx; make one with examples/preprocess_data.sh)}
-TOKENIZER=${TOKENIZER:?set TOKENIZER to a Hugging Face tokenizer name or folder}
+TOKENIZER_TYPE=${TOKENIZER_TYPE:-HuggingFaceTokenizer}
+TOKENIZER=${TOKENIZER:?set TOKENIZER to the --tokenizer-model of TOKENIZER_TYPE (a Hugging Face tokenizer folder or name; a SentencePiece .model)}
 CKPT=${CKPT:-checkpoints/${MODEL}_${BACKBONE}}
 TB=${TB:-tensorboard/${MODEL}_${BACKBONE}}
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
@@ -70,7 +74,7 @@ if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
 DATA_ARGS=(
     --data-path "$DATA"
     --split 98,2,0
-    --tokenizer-type HuggingFaceTokenizer
+    --tokenizer-type "$TOKENIZER_TYPE"
     --tokenizer-model "$TOKENIZER"
 )
 

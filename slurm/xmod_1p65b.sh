@@ -2,7 +2,7 @@
 # Headline run: X-MoD A3K16 at N_act = 1.65B (Table 6 / Eq.36), 8 nodes x 8 GPUs, TP 8 as in the paper
 # (data-parallel 8), L = 32768, 80 sequences per step (the paper's throughput protocol, 2.62M tokens),
 # Muon Table 5, 1% warmup + cosine to 10%, C = 2.5e20 FLOPs. A thin wrapper: every knob and its
-# default live in slurm/xmod_train.sh (env overrides: DATA, TOKENIZER, CKPT, TB, MODEL, FLOPS, ...).
+# default live in slurm/xmod_train.sh (env overrides: DATA, TOKENIZER_TYPE, TOKENIZER_MODEL, RUN_NAME, CKPT, MODEL, FLOPS, ...).
 #
 #   DRY_RUN=1 bash slurm/xmod_1p65b.sh          # validate at 64 ranks, start nothing
 #   DATA=/data/my_text_document sbatch slurm/xmod_1p65b.sh

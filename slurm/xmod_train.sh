@@ -20,12 +20,20 @@
 #   DATA     Megatron .bin/.idx prefix (or a weighted blend "0.5 a 0.5 b"); "mock" = --mock-data
 #            (DRY_RUN without DATA validates with --mock-data)
 #   SPLIT    train,valid,test split of DATA (99,1,0)
-#   TOKENIZER  HuggingFace tokenizer folder ($ROOT/data/cache/tokenizers/gpt2)
-#   CKPT, TB   checkpoint / tensorboard folders ($ROOT/runs/<job name>/{ckpt,tb})
+#   TOKENIZER_TYPE   megatron's --tokenizer-type (HuggingFaceTokenizer: GPT-2, the paper's); the dataset's
+#            tokenizer, which `xmod preprocess` records in DATA.tokenizer.json, must match (checked before srun):
+#            SentencePieceTokenizer for `xmod preprocess --tokenizer sentencepiece`, NullTokenizer for bytes
+#   TOKENIZER_MODEL  --tokenizer-model: the HF folder ($ROOT/data/cache/tokenizers/gpt2) or the SentencePiece
+#            .model file (TOKENIZER is an older name for it)
+#   VOCAB_SIZE --vocab-size (NullTokenizer: the ids as they are; 257 for `xmod preprocess --tokenizer bytes`)
+#   RUN_NAME   names the run's folder ($ROOT/runs/RUN_NAME; default MODEL_BACKBONE_L<SEQ>, e.g.
+#            xmod-a3k16_1.65b_L32768: one folder per configuration, a resubmission of it resumes)
+#   CKPT, TB   checkpoint / tensorboard folders ($ROOT/runs/RUN_NAME/{ckpt,tb}); CKPT is --save and --load
 #   EVAL_INTERVAL (500) EVAL_ITERS (20) SAVE_INTERVAL (500) LOG_INTERVAL (10)
 #   EXTRA_ARGS extra megatron / --xmod-* flags, appended last (they win)
 #   DRY_RUN=1  print the command and run megatron's + the plugin's validation at NODES x NPROC, then exit
-#            (and the per-GPU memory estimate: refused above GPU_MEM_GB, default 80)
+#            (and the per-GPU memory estimate: refused above GPU_MEM_GB, default 80); exit 0 when the run
+#            would start, 2 with our one-line message (field: why; fix), 1 with megatron's own
 #   SMOKE=1    1 node, 2 CPU processes, TP 2, gloo, a tiny X-MoD on the embedded corpus, a few iterations
 #   SKIP_DRY_RUN=1  do not validate before srun (a real run validates first, on the batch node)
 #   XMOD_ROOT (repository; SLURM_SUBMIT_DIR under sbatch)   XMOD_PY ($XMOD_ROOT/.venv/bin/python)
@@ -47,7 +55,6 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 die() { echo "[xmod] error: $*" >&2; exit 2; }
 [ -x "$PY" ] || die "XMOD_PY: no python at $PY; run scripts/setup_env.sh in $ROOT or set XMOD_PY/XMOD_ROOT"
 
-JOB_NAME="${SLURM_JOB_NAME:-xmod-train}"
 SMOKE="${SMOKE:-0}"
 DRY_RUN="${DRY_RUN:-0}"
 
@@ -84,9 +91,26 @@ else
   FLOPS="${FLOPS:-2.5e20}"
   EVAL_INTERVAL="${EVAL_INTERVAL:-500}"; EVAL_ITERS="${EVAL_ITERS:-20}"
   SAVE_INTERVAL="${SAVE_INTERVAL:-500}"; LOG_INTERVAL="${LOG_INTERVAL:-10}"
-  CKPT="${CKPT:-$ROOT/runs/$JOB_NAME/ckpt}"; TB="${TB:-$ROOT/runs/$JOB_NAME/tb}"
-  TOKENIZER="${TOKENIZER:-$ROOT/data/cache/tokenizers/gpt2}"
+  # One folder per configuration: two configurations submitted through this file never load each other's
+  # checkpoints (the pre-flight also refuses a checkpoint of another model), a resubmission resumes its own.
+  RUN_NAME=$(printf '%s' "${RUN_NAME:-${MODEL}_${BACKBONE}_L${SEQ}}" | tr -c 'A-Za-z0-9._-' '_' | tr -s '_')
+  CKPT="${CKPT:-$ROOT/runs/$RUN_NAME/ckpt}"; TB="${TB:-$ROOT/runs/$RUN_NAME/tb}"
   SPLIT="${SPLIT:-99,1,0}"
+
+  # The run's tokenizer: megatron's flags. The pre-flight checks it against DATA's record (xmod preprocess).
+  TOKENIZER_TYPE="${TOKENIZER_TYPE:-HuggingFaceTokenizer}"
+  TOKENIZER_MODEL="${TOKENIZER_MODEL:-${TOKENIZER:-}}"
+  case "$TOKENIZER_TYPE" in
+    HuggingFaceTokenizer) TOKENIZER_MODEL="${TOKENIZER_MODEL:-$ROOT/data/cache/tokenizers/gpt2}" ;;
+    SentencePieceTokenizer|GPTSentencePieceTokenizer|Llama2Tokenizer|TikTokenizer)
+      [ -n "$TOKENIZER_MODEL" ] || die "TOKENIZER_MODEL: TOKENIZER_TYPE=$TOKENIZER_TYPE reads a model file; set TOKENIZER_MODEL=PATH (for xmod preprocess --tokenizer sentencepiece: the .model it trained or read)" ;;
+    NullTokenizer)
+      [ -n "${VOCAB_SIZE:-}" ] || die "VOCAB_SIZE: TOKENIZER_TYPE=NullTokenizer takes the data's token ids as they are; set VOCAB_SIZE (257 for xmod preprocess --tokenizer bytes)"
+      TOKENIZER_MODEL="" ;;
+  esac
+  TOKENIZER_ARGS=(--tokenizer-type "$TOKENIZER_TYPE")
+  if [ -n "$TOKENIZER_MODEL" ]; then TOKENIZER_ARGS+=(--tokenizer-model "$TOKENIZER_MODEL"); fi
+  if [ -n "${VOCAB_SIZE:-}" ]; then TOKENIZER_ARGS+=(--vocab-size "$VOCAB_SIZE"); fi
 
   # MoE baselines are --moe-preset (megatron's MoE layers on the dense backbone), the rest a layout.
   case "$MODEL" in
@@ -109,10 +133,10 @@ else
   fi
   [ -n "${DATA:-}" ] || die "DATA: set DATA to a Megatron .bin/.idx prefix (xmod preprocess), or DATA=mock"
   if [ "$DATA" = mock ]; then
-    DATA_ARGS=(--mock-data --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER")
+    DATA_ARGS=(--mock-data "${TOKENIZER_ARGS[@]}")
   else
     # shellcheck disable=SC2206
-    DATA_ARGS=(--data-path $DATA --split "$SPLIT" --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER")
+    DATA_ARGS=(--data-path $DATA --split "$SPLIT" "${TOKENIZER_ARGS[@]}")
   fi
   OPT_ARGS=(--xmod-muon-table5 --xmod-paper-schedule --clip-grad 1.0)
   DEVICE_ARGS=(--use-distributed-optimizer --bf16 --recompute-granularity selective)
@@ -153,9 +177,15 @@ CMD=(srun --kill-on-bad-exit=1 --nodes="$NODES" --ntasks-per-node=1 "$PY" -m tor
 echo "[xmod] command: $(printf '%q ' "${CMD[@]}")"
 
 # Validate at the launch's world size before anything distributed starts (cheap: no GPU, no process group).
+# Its exit code is the launcher's: 2 for our messages (a file, a flag, a knob), 1 for megatron's own refusals.
 if [ "$DRY_RUN" = 1 ] || [ "${SKIP_DRY_RUN:-0}" != 1 ]; then
-  WORLD_SIZE=$WORLD_SIZE "$PY" -m megatron_xmod.training.dry_run "${TRAIN_ARGS[@]}" 2> >(grep -v "UserWarning\|warnings.warn\|No CUDA runtime" >&2) \
-    || die "the run would fail at world size $WORLD_SIZE (message above); nothing was started"
+  rc=0
+  XMOD_LAUNCH_NODES=$NODES XMOD_LAUNCH_NPROC=$NPROC WORLD_SIZE=$WORLD_SIZE "$PY" -m megatron_xmod.training.dry_run \
+    "${TRAIN_ARGS[@]}" 2> >(grep -v "UserWarning\|warnings.warn\|No CUDA runtime" >&2) || rc=$?
+  if [ "$rc" != 0 ]; then
+    echo "[xmod] error: the run would fail at world size $WORLD_SIZE (message above); nothing was started" >&2
+    exit "$rc"
+  fi
 fi
 [ "$DRY_RUN" = 1 ] && exit 0
 

@@ -134,11 +134,11 @@ def test_table6_configuration_passes_dry_run_through_the_generic_launcher(backbo
 
 
 @pytest.mark.slow
-def test_dry_run_fails_with_megatrons_message_when_the_batch_does_not_divide():
+def test_dry_run_fails_naming_gbs_when_the_batch_does_not_divide():
     proc = _launch(SLURM / "xmod_1p65b.sh", DRY_RUN=1, GBS=76)
-    assert proc.returncode != 0
-    assert "eval_global_batch_size (76) must be divisible by eval_micro_batch_size (1) * data_parallel_size (8)" \
-        in proc.stderr
+    assert proc.returncode == 2  # our message (issue 26: before megatron's, which named eval_global_batch_size)
+    assert "GBS: GBS=76 sequences per step do not split evenly over data-parallel 8 x MBS 1" in proc.stderr
+    assert "or GBS=72 or 80 at NODES=8" in proc.stderr
     assert "nothing was started" in proc.stderr
 
 

@@ -37,7 +37,7 @@ def run(args) -> int:
                         train_tokenizer=args.train_tokenizer)
     if args.train_tokenizer is not None:
         print(f"trained {result['tokenizer_model']} ({result['vocab_size']} pieces)")
-    print(f"wrote {result['bin']} and {result['idx']}: {result['documents']} documents, "
+    print(f"wrote {result['bin']}, {result['idx']} and {result['record']}: {result['documents']} documents, "
           f"{result['tokens']} tokens ({result['tokenizer']}, vocab {result['vocab_size']}, eod {result['eod']})")
     print("pretrain flags for this dataset (python -m megatron_xmod.pretrain ...):")
     print("  " + " ".join(shlex.quote(flag) for flag in pretrain_flags(result)))

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megatron_xmod.data.preprocess import DataError, preprocess
+from megatron_xmod.data.tokenizer_record import make_record, record_path, write_record
 from megatron_xmod.data.tokenizers import (
     TOKENIZER_KINDS,
     default_cache_dir,
@@ -196,6 +197,13 @@ def ensure_default_corpus(tokenizer: str = "gpt2", cache_dir: str | os.PathLike 
             stamp = dict(wanted, tokens={s: c["tokens"] for s, c in counts.items()},
                          documents={s: c["documents"] for s, c in counts.items()})
             stamp_path.write_text(json.dumps(stamp, indent=1))
+        for split, prefix in prefixes.items():  # caches built before datasets recorded their tokenizer
+            if not record_path(prefix).is_file():
+                try:
+                    write_record(prefix, make_record(tok, tokenizer, model, stamp["documents"][split],
+                                                     stamp["tokens"][split]))
+                except OSError:  # a read-only shared cache: it trains unchecked, as before
+                    pass
     return {**{s: str(p) for s, p in prefixes.items()}, "tokenizer": tokenizer,
             "tokenizer_model": str(model) if model else None, "texts_dir": str(texts[0].parent),
             "works": wanted["works"], "tokens": stamp["tokens"], "documents": stamp["documents"]}

@@ -10,7 +10,9 @@ Each document is stored as one sequence with the tokenizer's end-of-document id 
 sequence without its last id gives the document text back exactly (for gpt2, sentencepiece and bytes).
 Empty and whitespace-only documents are skipped (an EOD alone would teach nothing). The two files are
 written under temporary names and renamed at the end, so an interrupted run never leaves a prefix that
-looks complete.
+looks complete. Last, ``PREFIX.tokenizer.json`` records the tokenizer that wrote them (kind, model file
+and its sha256, vocabulary size, eod; :mod:`megatron_xmod.data.tokenizer_record`): the entry point's
+pre-flight refuses to train the dataset with another tokenizer.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_xmod.data.tokenizer_record import make_record, record_path, write_record
 from megatron_xmod.data.tokenizers import TOKENIZER_KINDS, get_tokenizer
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -222,14 +225,19 @@ def preprocess(inputs, output_prefix, tokenizer: str = "gpt2", tokenizer_model=N
             builder.data_file.close()
             raise DataError(f"no documents found in {', '.join(str(f) for f in files)} (all inputs are empty)")
         builder.finalize(str(idx_tmp))
+        record = make_record(tok, tokenizer, tokenizer_model, documents, tokens)
+        # No moment with new data beside an old record: the old one goes first, the new one comes last.
+        record_path(prefix).unlink(missing_ok=True)
         os.replace(bin_tmp, f"{prefix}.bin")
         os.replace(idx_tmp, f"{prefix}.idx")
+        write_record(prefix, record)
     finally:
         if pool is not None:
             pool.terminate()
         for leftover in (bin_tmp, idx_tmp):
             if leftover.exists():
                 leftover.unlink()
-    return {"prefix": str(prefix), "bin": f"{prefix}.bin", "idx": f"{prefix}.idx", "documents": documents,
+    return {"prefix": str(prefix), "bin": f"{prefix}.bin", "idx": f"{prefix}.idx",
+            "record": str(record_path(prefix)), "documents": documents,
             "tokens": tokens, "tokenizer": tokenizer, "vocab_size": tok.vocab_size, "eod": tok.eod,
             "files": len(files), "tokenizer_model": None if tokenizer_model is None else str(tokenizer_model)}

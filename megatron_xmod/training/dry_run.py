@@ -7,10 +7,14 @@ Takes exactly the arguments of ``python -m megatron_xmod.pretrain``, expands the
 ``megatron.training.arguments.parse_and_validate_args`` (``validate_args`` reads the world size from
 ``WORLD_SIZE``; this process plays rank 0 and starts nothing distributed), then
 ``megatron_xmod.training.preflight.validate_before_training`` (the XModConfig / MoEConfig build, sequence
-length against K, the data files, splits and token ids, the tokenizer files, the output directories,
-the ``--load`` tracker). Prints data-parallel size, TP, PP, the global batch (sequences per step) and
-the iterations; exits 2 with our message for a wrong input (file, flag), 1 with megatron's when its
-validation refuses the run, 0 otherwise. The slurm launchers run it before ``srun`` (and alone with ``DRY_RUN=1``).
+length against K, the data files, the tokenizer each records (``PREFIX.tokenizer.json``) against the
+run's, splits and token ids, the tokenizer files, the output directories, the ``--load`` tracker and
+the checkpoint's model and learning-rate schedule), after its own check of the world size and global
+batch against the parallel sizes. Prints data-parallel size, TP, PP, the global batch (sequences per step) and
+the iterations; exits 2 with our message for a wrong input (file, flag, a world size or global batch
+that does not split over the data-parallel replicas), 1 with megatron's when its own validation
+refuses the run (and when the memory estimate exceeds ``GPU_MEM_GB``), 0 otherwise. The slurm
+launchers run it before ``srun`` (and alone with ``DRY_RUN=1``) and exit with its code.
 """
 from __future__ import annotations
 
@@ -26,13 +30,17 @@ def validate(argv: list[str]):
     from megatron_xmod.cpu_shim import cpu_patches
     from megatron_xmod.training import patches
     from megatron_xmod.training.flags import add_arguments, expand_arguments
-    from megatron_xmod.training.preflight import check_before_megatron_setup, validate_before_training
+    from megatron_xmod.training.preflight import (
+        check_batch_layout,
+        check_before_megatron_setup,
+        validate_before_training,
+    )
 
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ["RANK"] = "0"  # validation as rank 0 sees it; rank 0 writes no tensorboard/wandb
     with cpu_patches(training=True):
         expanded = expand_arguments(list(argv))
-        from megatron.training.arguments import parse_and_validate_args
+        from megatron.training.arguments import parse_and_validate_args, parse_args
 
         patches.no_log_writers()
         patches.checks_before_tokenizer(check_before_megatron_setup)
@@ -40,6 +48,8 @@ def validate(argv: list[str]):
         sys.argv = [saved[0] if saved else "dry_run"] + expanded
         log = io.StringIO()  # megatron prints every argument; shown only with XMOD_DRY_RUN_VERBOSE=1
         try:
+            # the world size against TP x PP and the batch, in the user's terms, before megatron's assertions
+            check_batch_layout(parse_args(extra_args_provider=add_arguments), *launcher_layout())
             with contextlib.redirect_stdout(sys.stdout if os.environ.get("XMOD_DRY_RUN_VERBOSE") == "1" else log):
                 args = parse_and_validate_args(extra_args_provider=add_arguments)
         except BaseException:
@@ -49,6 +59,15 @@ def validate(argv: list[str]):
             sys.argv = saved
         validate_before_training(args)
     return args
+
+
+def launcher_layout() -> tuple[Optional[int], Optional[int]]:
+    """(NODES, NPROC) of the slurm launcher that started this dry run (``XMOD_LAUNCH_NODES`` /
+    ``XMOD_LAUNCH_NPROC``), so that messages name its knobs; (None, None) otherwise."""
+    try:
+        return int(os.environ["XMOD_LAUNCH_NODES"]), int(os.environ["XMOD_LAUNCH_NPROC"])
+    except (KeyError, ValueError):
+        return None, None
 
 
 def summary(args) -> str:

@@ -1,9 +1,12 @@
 """Checks of a parsed command line that fail before any model is built or any node waits: the routed
-config, the sequence length against K, the data (``.idx``/``.bin`` consistency, documents per split,
-token ids against the vocabulary), the tokenizer files, the output directories and the ``--load``
-tracker. The entry point and the launchers' dry run (:mod:`megatron_xmod.training.dry_run`) both run
+config, the sequence length against K, the data (``.idx``/``.bin`` consistency, the tokenizer that
+wrote it where ``xmod preprocess`` recorded one, documents per split, token ids against the
+vocabulary), the tokenizer files, the output directories, the ``--load`` tracker and the checkpoint it
+names (the same model; the same learning-rate schedule unless a flag says which wins). The entry
+point and the launchers' dry run (:mod:`megatron_xmod.training.dry_run`) both run
 :func:`validate_before_training`; :func:`check_before_megatron_setup` runs earlier, before megatron
 builds the tokenizer and the tensorboard writer (patch 19 of :mod:`megatron_xmod.training.patches`).
+The dry run also runs :func:`check_batch_layout` before megatron's validation.
 
 Every error is a ``ValueError`` / ``FileNotFoundError`` of the form ``flag: what is wrong; what to
 do``; the entry point turns it into exit code 2. docs/reliability.md lists the checks.
@@ -21,6 +24,7 @@ from typing import Optional
 import numpy as np
 
 from megatron_xmod.data.splits import split_document_ranges, working_split
+from megatron_xmod.data.tokenizer_record import RECORD_SUFFIX, mismatch, read_record, run_tokenizer, stale
 from megatron_xmod.training.providers import config_from_args
 
 _SPLIT_NAMES = ("train", "validation", "test")
@@ -48,7 +52,10 @@ def validate_before_training(args, vocab_size: Optional[int] = None) -> None:
     check_outputs(args)
     check_load(args)
     if not args.mock_data:
-        check_data(args, vocab_size if vocab_size is not None else _tokenizer_vocab_size(args))
+        built = _built_tokenizer()
+        if vocab_size is None and built is not None:
+            vocab_size = int(built.vocab_size)
+        check_data(args, vocab_size, built_tokenizer=built)
 
 
 def check_before_megatron_setup(args) -> None:
@@ -60,6 +67,72 @@ def check_before_megatron_setup(args) -> None:
         hub.HF_HUB_OFFLINE = True
     check_tokenizer(args)
     check_outputs(args)
+
+
+# ----------------------------------------------------------------------------- world size and batch
+def check_batch_layout(args, nodes: Optional[int] = None, gpus_per_node: Optional[int] = None) -> None:
+    """The world size must hold whole model replicas (TP x PP x CP GPUs each) and the global batch must
+    split evenly over the data-parallel replicas' micro-batches. megatron asserts both deep in its
+    validation, naming ``eval_global_batch_size`` (which follows --global-batch-size) and suggesting
+    nothing; this names what was set and node counts / batch sizes that work. Run on megatron's parsed,
+    not yet validated, arguments. ``nodes`` / ``gpus_per_node``: the slurm launchers' NODES / NPROC,
+    which then name the message's fields."""
+    launcher = nodes is not None and gpus_per_node is not None
+    world = nodes * gpus_per_node if launcher else int(args.world_size)
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    replica = tp * pp * cp
+    gbs, mbs = args.global_batch_size, args.micro_batch_size
+    eval_gbs = args.eval_global_batch_size if getattr(args, "eval_global_batch_size", None) else gbs
+    eval_mbs = args.eval_micro_batch_size if getattr(args, "eval_micro_batch_size", None) else mbs
+    if not (gbs and mbs and replica and world):
+        return
+    model = f"TP {tp} x PP {pp}" + (f" x CP {cp}" if cp > 1 else "")
+    if launcher:
+        gpus = f"NODES {nodes} x NPROC {gpus_per_node} = {world} GPUs"
+    else:
+        gpus = f"world size {world} (WORLD_SIZE, the launcher's processes)"
+
+    def works(n_world: int) -> bool:
+        if n_world % replica:
+            return False
+        dp = n_world // replica
+        return gbs % (mbs * dp) == 0 and eval_gbs % (eval_mbs * dp) == 0
+
+    unit = gpus_per_node if launcher else 1
+    current = world // unit
+    counts = [n for n in range(1, 2 * max(current, 4) + 1) if works(n * unit)]  # up to twice as many
+    below = [n for n in counts if n < current][-1:]
+    above = [n for n in counts if n > current][:2]
+    suggestions = below + above
+    where = ("NODES=" if launcher else "a world size of ") + _either([str(n) for n in suggestions])
+    if world % replica:
+        field = "NODES" if launcher else "world_size"
+        fix = f"use {where}" if suggestions else f"use a multiple of {replica} GPUs"
+        raise ValueError(f"{field}: {gpus} do not split into model replicas of {model} = {replica} GPUs each "
+                         f"(megatron: 'world size ({world}) is not divisible by total_model_size'); {fix}, or change "
+                         + ("TP / PP" if launcher else "--tensor-model-parallel-size / --pipeline-model-parallel-size"))
+    dp = world // replica
+    for batch, micro, batch_name, micro_name in ((gbs, mbs, "GBS" if launcher else "global_batch_size",
+                                                  "MBS" if launcher else "--micro-batch-size"),
+                                                 (eval_gbs, eval_mbs, "eval_global_batch_size",
+                                                  "--eval-micro-batch-size")):
+        step = micro * dp
+        if batch % step == 0:
+            continue
+        flag = {"GBS": "GBS=", "global_batch_size": "--global-batch-size "}.get(batch_name, "--eval-global-batch-size ")
+        lower, upper = (batch // step) * step, (batch // step + 1) * step
+        sizes = flag + _either([str(b) for b in (lower, upper) if b > 0])
+        at = f"NODES={nodes}" if launcher else f"world size {world}"
+        keep = f"{flag}{batch}"
+        nodes_fix = f"use {where} (with {keep}), or " if suggestions else ""
+        raise ValueError(
+            f"{batch_name}: {keep} sequences per step do not split evenly over data-parallel {dp} x {micro_name} "
+            f"{micro} (data-parallel {dp} = {gpus} / ({model})); every step needs a multiple of {micro_name} x "
+            f"data-parallel = {step} sequences; {nodes_fix}{sizes} at {at}")
+
+
+def _either(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
 # ----------------------------------------------------------------------------- data
@@ -165,8 +238,10 @@ def data_prefixes(args) -> dict[str, list[str]]:
     return out
 
 
-def check_data(args, vocab_size: Optional[int]) -> None:
-    """Every prefix consistent, every needed split non-empty, every token id below ``vocab_size``."""
+def check_data(args, vocab_size: Optional[int], built_tokenizer=None) -> None:
+    """Every prefix consistent, written by the run's tokenizer where it records one (``PREFIX.tokenizer.json``
+    of ``xmod preprocess``; ``built_tokenizer``: megatron's, for tokenizers known only by what they encode),
+    every needed split non-empty, every token id below ``vocab_size``."""
     prefixes = data_prefixes(args)
     if not prefixes["blend"] and not prefixes["train"]:
         raise ValueError("data_path: no training data given (--data-path PREFIX or --train-data-path PREFIX)")
@@ -176,8 +251,18 @@ def check_data(args, vocab_size: Optional[int]) -> None:
                          f"{args.eval_iters} asks for validation (megatron would crash in forward_step at the first "
                          "one); give --valid-data-path PREFIX or pass --eval-iters 0")
     scan = int(os.environ.get("LOCAL_RANK", "0")) == 0  # once per node: the files are the same for every rank
+    run, unrecorded = None, []
     for prefix in dict.fromkeys(p for group in prefixes.values() for p in group):
         data = read_indexed_dataset(prefix)
+        record = read_record(prefix)
+        if record is None:
+            unrecorded.append(prefix)
+        else:
+            run = run or run_tokenizer(args)
+            problem = (stale(prefix, record, data.num_documents, data.num_tokens)
+                       or mismatch(prefix, record, run, built_tokenizer))
+            if problem:
+                raise ValueError(problem)
         if vocab_size is not None and scan:
             found = first_token_at_or_above(data, vocab_size)
             if found is not None:
@@ -187,6 +272,10 @@ def check_data(args, vocab_size: Optional[int]) -> None:
                     f"the vocabulary size {vocab_size} (--tokenizer-type {args.tokenizer_type}); the data was "
                     "tokenized with another tokenizer: preprocess it with the tokenizer you train with, or pass the "
                     "matching --vocab-size / tokenizer files")
+    if unrecorded and getattr(args, "rank", 0) == 0:
+        print(f"[xmod] note: {', '.join(unrecorded)}: no tokenizer record (PREFIX{RECORD_SUFFIX}, which `xmod "
+              f"preprocess` writes), so --tokenizer-type {getattr(args, 'tokenizer_type', None)} is not checked against the data",
+              flush=True)
     if prefixes["blend"]:
         check_split(args)
 
@@ -220,12 +309,13 @@ def check_split(args) -> None:
                                  f"({num_documents} documents; megatron would wait forever building it); {fix}")
 
 
-def _tokenizer_vocab_size(args) -> Optional[int]:
+def _built_tokenizer():
+    """megatron's built tokenizer; None when there is none (a test's hand-made args: no scan)."""
     try:
         from megatron.training import get_tokenizer
 
-        return int(get_tokenizer().vocab_size)
-    except Exception:  # no tokenizer built (a test's hand-made args): no scan
+        return get_tokenizer()
+    except Exception:
         return None
 
 
@@ -338,19 +428,145 @@ def _check_writable(flag: str, path: str) -> None:
 
 
 def check_load(args) -> None:
-    """A --load directory with iter_* checkpoints needs a readable tracker (or --ckpt-step)."""
-    if not getattr(args, "load", None) or getattr(args, "ckpt_step", None):
+    """A --load directory with iter_* checkpoints needs a readable tracker (or --ckpt-step); the checkpoint
+    it names must be of this run's model and, unless a flag says which wins, of its learning-rate schedule."""
+    if not getattr(args, "load", None):
         return
-    from megatron_xmod.training.checkpoints import read_tracker
+    from megatron_xmod.training.checkpoints import iteration_dir_name, read_tracker
 
-    tracked = read_tracker(args.load)
-    if tracked is not None and not tracked[1]:
-        from megatron_xmod.training.checkpoints import iteration_dir_name
+    if getattr(args, "ckpt_step", None):
+        tracked = (int(args.ckpt_step), False)
+    else:
+        tracked = read_tracker(args.load)
+        if tracked is not None and not tracked[1]:
+            directory = os.path.join(args.load, iteration_dir_name(tracked[0]))
+            if not os.path.isdir(directory):
+                raise ValueError(f"load: {args.load}/latest_checkpointed_iteration.txt names iteration {tracked[0]} "
+                                 f"but {directory} does not exist; write the iteration of a checkpoint that exists "
+                                 "into it")
+    if tracked is None or getattr(args, "use_checkpoint_args", False):
+        return
+    directory = os.path.join(args.load, iteration_dir_name(*tracked))
+    saved = saved_common_state(directory)
+    if saved is None:
+        return
+    check_same_model(args, directory, saved.get("args"))
+    if not tracked[1] and not getattr(args, "finetune", False) and not getattr(args, "no_load_optim", False):
+        check_schedule(args, directory, saved.get("opt_param_scheduler"))
 
-        directory = os.path.join(args.load, iteration_dir_name(tracked[0]))
-        if not os.path.isdir(directory):
-            raise ValueError(f"load: {args.load}/latest_checkpointed_iteration.txt names iteration {tracked[0]} but "
-                             f"{directory} does not exist; write the iteration of a checkpoint that exists into it")
+
+def saved_common_state(directory: str) -> Optional[dict]:
+    """The non-sharded part of a megatron checkpoint (its ``args``, ``iteration``, ``opt_param_scheduler``):
+    ``torch_dist``'s common state (a few kB of the checkpoint), or the legacy ``torch`` format's rank-0 file,
+    memory-mapped. None when it cannot be read (megatron's own load then says why)."""
+    try:
+        if os.path.isfile(os.path.join(directory, "metadata.json")):
+            from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+            state = load_common_state_dict(directory)
+        else:
+            import torch
+
+            files = [os.path.join(directory, name, "model_optim_rng.pt") for name in ("mp_rank_00", "mp_rank_00_000")]
+            path = next((f for f in files if os.path.isfile(f)), None)
+            if path is None:
+                return None
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # unreadable, another format: not ours to judge
+        return None
+    return state if isinstance(state, dict) else None
+
+
+# Fields of megatron's arguments that fix the shapes of the weights a checkpoint holds.
+_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+
+
+def check_same_model(args, directory: str, saved_args) -> None:
+    """A checkpoint of another model (a --load folder shared by two configurations) fails megatron's load
+    after the model is built, with tensor names; name the differing flags now."""
+    if saved_args is None:
+        return
+    differ = [(name, getattr(saved_args, name), getattr(args, name)) for name in _MODEL_FIELDS
+              if hasattr(saved_args, name) and hasattr(args, name) and getattr(saved_args, name) != getattr(args, name)]
+    if not differ:
+        return
+    text = ", ".join(f"--{name.replace('_', '-')} {old} there, {new} here" for name, old, new in differ)
+    layout = getattr(saved_args, "xmod_layout", None)
+    raise ValueError(f"load: --load {os.path.dirname(directory)} holds a checkpoint of another model ({text}"
+                     + (f"; its layout: {layout}" if layout else "") + "); megatron would fail loading its weights "
+                     "after building the model. Resume it with its own model flags, or give this model its own "
+                     "--load/--save folder (slurm launchers: one folder per MODEL, BACKBONE and SEQ by default, or "
+                     "CKPT=...)")
+
+
+# megatron.core.optimizer_param_scheduler.OptimizerParamScheduler.load_state_dict: the values it compares
+# (its own names), and the flags that set each.
+_SCHEDULE_FIELDS = (
+    ("max_lr", "learning rate", "--lr"),
+    ("min_lr", "minimum learning rate", "--min-lr"),
+    ("lr_warmup_steps", "warmup iterations", "--lr-warmup-iters / --lr-warmup-fraction x the decay, in samples"),
+    ("lr_decay_steps", "total number of iterations", "--lr-decay-iters (default --train-iters) x --global-batch-size, "
+                                                     "in samples"),
+    ("lr_decay_style", "learning rate decay style", "--lr-decay-style"),
+    ("start_wd", "start weight decay", "--start-weight-decay"),
+    ("end_wd", "end weight decay", "--end-weight-decay"),
+    ("wd_incr_steps", "total number of weight decay iterations", "--train-iters x --global-batch-size, in samples"),
+    ("wd_incr_style", "weight decay incr style", "--weight-decay-incr-style"),
+)
+
+
+def run_schedule(args) -> Optional[dict]:
+    """The values megatron's ``get_optimizer_param_scheduler`` (training.py) gives this run's scheduler."""
+    if args.train_iters:
+        decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+        decay = decay_iters * args.global_batch_size
+        wd_incr = args.train_iters * args.global_batch_size
+        warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
+                  else args.lr_warmup_iters * args.global_batch_size)
+    elif args.train_samples:
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        wd_incr = args.train_samples
+        warmup = args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None else args.lr_warmup_samples
+    else:
+        return None
+    return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": warmup, "lr_decay_steps": decay,
+            "lr_decay_style": args.lr_decay_style, "start_wd": args.start_weight_decay,
+            "end_wd": args.end_weight_decay, "wd_incr_steps": wd_incr, "wd_incr_style": args.weight_decay_incr_style}
+
+
+def check_schedule(args, directory: str, saved: Optional[dict]) -> None:
+    """Resuming with another schedule (e.g. more --train-iters) without --override-opt_param-scheduler or
+    --use-checkpoint-opt_param-scheduler stops megatron's load on a bare assertion; name the flags now."""
+    if (not isinstance(saved, dict) or getattr(args, "override_opt_param_scheduler", False)
+            or getattr(args, "use_checkpoint_opt_param_scheduler", False)):
+        return
+    try:
+        ours = run_schedule(args)
+    except (AttributeError, TypeError):  # hand-made or partial arguments
+        return
+    if ours is None:
+        return
+    aliases = {"max_lr": "start_lr", "lr_warmup_steps": "warmup_steps", "lr_decay_steps": "decay_steps",
+               "lr_decay_style": "decay_style"}
+    differ = []
+    for key, megatron_name, flags in _SCHEDULE_FIELDS:
+        if key not in saved and aliases.get(key) not in saved:
+            continue  # an older checkpoint without it: megatron does not compare it either
+        value = saved.get(key, saved.get(aliases.get(key)))
+        if value != ours[key]:
+            differ.append((key, megatron_name, flags, value, ours[key]))
+    if not differ:
+        return
+    key, megatron_name, _, old, new = differ[0]
+    changes = "; ".join(f"{key} {old} there, {new} here ({flags})" for key, _, flags, old, new in differ)
+    raise ValueError(
+        f"override_opt_param_scheduler: --load {os.path.dirname(directory)} resumes a checkpoint saved with another "
+        f"learning-rate schedule than this command line's ({changes}), and megatron would stop at its load with "
+        f"'OptimizerParamScheduler: class input value {new} and checkpoint value {old} for {megatron_name} do not "
+        "match'; pass --override-opt_param-scheduler to continue on this command line's schedule (the usual choice "
+        "when training longer; slurm launchers: EXTRA_ARGS=--override-opt_param-scheduler), or "
+        "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
 
 
 def _is_number(text: str) -> bool:
