@@ -140,16 +140,14 @@ else
   fi
   OPT_ARGS=(--xmod-muon-table5 --xmod-paper-schedule --clip-grad 1.0)
   DEVICE_ARGS=(--use-distributed-optimizer --bf16 --recompute-granularity selective)
-  # Dense / MoD / X-MoD: sequence parallelism at TP > 1 (it divides the activations by TP); at TP 1 the
-  # 556m / 936m models exceed 80 GB at L = 32768 with selective recompute (xmod count --memory): full
-  # recompute keeps one input per layer instead
-  case "$MODEL" in moe-*|dtopp-*) ;; *)
-    if [ "$TP" -gt 1 ]; then DEVICE_ARGS+=(--sequence-parallel)
-    elif [ "$BACKBONE" = 556m ] || [ "$BACKBONE" = 936m ]; then
-      DEVICE_ARGS=(--use-distributed-optimizer --bf16 --recompute-granularity full --recompute-method uniform
-                   --recompute-num-layers 1)
-    fi ;;
-  esac
+  # Every model: sequence parallelism at TP > 1 (it divides the activations by TP; megatron's MoE layer
+  # needs it there); at TP 1 the 556m / 936m models exceed 80 GB at L = 32768 with selective recompute
+  # (xmod count --memory): full recompute keeps one input per layer instead
+  if [ "$TP" -gt 1 ]; then DEVICE_ARGS+=(--sequence-parallel)
+  elif [ "$BACKBONE" = 556m ] || [ "$BACKBONE" = 936m ]; then
+    DEVICE_ARGS=(--use-distributed-optimizer --bf16 --recompute-granularity full --recompute-method uniform
+                 --recompute-num-layers 1)
+  fi
   DESC="$MODEL on $BACKBONE"
 fi
 
