@@ -288,10 +288,10 @@ def test_resume_with_more_iterations_names_override_opt_param_scheduler(tmp_path
 def test_a_checkpoint_of_another_model_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
     write_checkpoint(tmp_path, schedule_args(tmp_path, 180), monkeypatch)
     other = schedule_args(tmp_path, 180, num_layers=28, hidden_size=1024, override_opt_param_scheduler=True)
-    with pytest.raises(ValueError, match=r"^load: --load .* holds a checkpoint of another model \(--num-layers 4 there, "
-                                         r"28 here, --hidden-size 64 there, 1024 here; its layout: D \+ \(S4\*2 \+ D\)\)"
+    with pytest.raises(ValueError, match=r"^load: --load .* holds a checkpoint of another model or data contract "
+                                         r"(?s:.*)\n  num_layers: 4 -> 28\n  hidden_size: 64 -> 1024\n"
                                          ".*one folder per MODEL, BACKBONE and SEQ"):
-        check_load(other)
+        check_load(other)  # the run identity (tests/test_run_identity.py has the rest)
 
 
 # ----------------------------------------------------------------------------- 6. nodes x GPUs against the batch

@@ -92,6 +92,11 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                            )
     group.add_argument("--xmod-cpu", action="store_true",
                        help="megatron on a CPU: " + " ".join(CPU_FLAGS))
+    group.add_argument("--xmod-allow-model-change", dest="xmod_allow_model_change", action="append", default=None,
+                       metavar="FIELD[,FIELD]",
+                       help="with --load: resume although the checkpoint's run identity differs in FIELD (e.g. "
+                            "tokenizer_sha256, xmod_router_bce_coeff; repeatable or comma-separated; the fields: "
+                            "megatron_xmod/training/run_identity.py, docs/first_run.md)")
     group.add_argument("--xmod-megatron-args", default="auto", choices=("auto", "console", "file"),
                        help="megatron's argument dump: console, or file (megatron_arguments.txt in --save, else "
                             "--tensorboard-dir); auto = console with a GPU, file on CPU")

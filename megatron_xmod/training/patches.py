@@ -236,6 +236,9 @@ def checkpoint_integrity(guard) -> None:
             if run_args.async_save:
                 print_rank_0(f"[xmod] WARNING: --async-save: no checksum manifest for iteration {iteration}")
                 return result
+            from megatron_xmod.training import run_identity  # issue 27: the run's identity, before the manifest
+
+            run_identity.write_record(run_args, run_args.save, iteration, release)
             save_checkpoint.guard.manifest_after_save(run_args.save, iteration, release)
             return result
 

@@ -2,7 +2,7 @@
 config, the sequence length against K, the data (``.idx``/``.bin`` consistency, the tokenizer that
 wrote it where ``xmod preprocess`` recorded one, documents per split, token ids against the
 vocabulary), the tokenizer files, the output directories, the ``--load`` tracker and the checkpoint it
-names (the same model; the same learning-rate schedule unless a flag says which wins). The entry
+names (the same run identity; the same learning-rate schedule unless a flag says which wins). The entry
 point and the launchers' dry run (:mod:`megatron_xmod.training.dry_run`) both run
 :func:`validate_before_training`; :func:`check_before_megatron_setup` runs earlier, before megatron
 builds the tokenizer and the tensorboard writer (patch 19 of :mod:`megatron_xmod.training.patches`).
@@ -430,6 +430,9 @@ def _check_writable(flag: str, path: str) -> None:
 def check_load(args) -> None:
     """A --load directory with iter_* checkpoints needs a readable tracker (or --ckpt-step); the checkpoint
     it names must be of this run's model and, unless a flag says which wins, of its learning-rate schedule."""
+    from megatron_xmod.training.run_identity import allowed_changes
+
+    allowed_changes(args)  # an unknown --xmod-allow-model-change FIELD, with or without --load
     if not getattr(args, "load", None):
         return
     from megatron_xmod.training.checkpoints import iteration_dir_name, read_tracker
@@ -448,9 +451,9 @@ def check_load(args) -> None:
         return
     directory = os.path.join(args.load, iteration_dir_name(*tracked))
     saved = saved_common_state(directory)
+    check_same_model(args, directory, (saved or {}).get("args"))  # the identity record, else the saved args
     if saved is None:
         return
-    check_same_model(args, directory, saved.get("args"))
     if not tracked[1] and not getattr(args, "finetune", False) and not getattr(args, "no_load_optim", False):
         check_schedule(args, directory, saved.get("opt_param_scheduler"))
 
@@ -477,27 +480,13 @@ def saved_common_state(directory: str) -> Optional[dict]:
     return state if isinstance(state, dict) else None
 
 
-# Fields of megatron's arguments that fix the shapes of the weights a checkpoint holds.
-_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                 "kv_channels", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
-
-
 def check_same_model(args, directory: str, saved_args) -> None:
-    """A checkpoint of another model (a --load folder shared by two configurations) fails megatron's load
-    after the model is built, with tensor names; name the differing flags now."""
-    if saved_args is None:
-        return
-    differ = [(name, getattr(saved_args, name), getattr(args, name)) for name in _MODEL_FIELDS
-              if hasattr(saved_args, name) and hasattr(args, name) and getattr(saved_args, name) != getattr(args, name)]
-    if not differ:
-        return
-    text = ", ".join(f"--{name.replace('_', '-')} {old} there, {new} here" for name, old, new in differ)
-    layout = getattr(saved_args, "xmod_layout", None)
-    raise ValueError(f"load: --load {os.path.dirname(directory)} holds a checkpoint of another model ({text}"
-                     + (f"; its layout: {layout}" if layout else "") + "); megatron would fail loading its weights "
-                     "after building the model. Resume it with its own model flags, or give this model its own "
-                     "--load/--save folder (slurm launchers: one folder per MODEL, BACKBONE and SEQ by default, or "
-                     "CKPT=...)")
+    """A checkpoint of another model or data contract (a --load folder shared by two configurations, another
+    tokenizer) would fail megatron's load after the model is built, or load silently: its run identity
+    (:mod:`megatron_xmod.training.run_identity`) against this run's, one line per differing field."""
+    from megatron_xmod.training.run_identity import check_load as check_identity
+
+    check_identity(args, directory, saved_args)
 
 
 # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler.load_state_dict: the values it compares
