@@ -17,6 +17,9 @@ def register(subparsers) -> None:
                         "tokenizer.json or a SentencePiece BPE .model; its size must match the checkpoint's "
                         "vocabulary. For data you pre-tokenized (NullTokenizer runs); without it such a run "
                         "exports its weights only")
+    p.add_argument("--no-verify", action="store_true",
+                   help="export a checkpoint without its checksum manifest (saved before megatron_xmod wrote them); "
+                        "by default the checkpoint is verified against it, as --load does")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_export)
 
@@ -32,6 +35,8 @@ def register(subparsers) -> None:
     p.add_argument("--save", required=True, help="new checkpoint folder (pass it as --load to continue training)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--overwrite", action="store_true",
+                   help="--save already holds a run: replace its release checkpoint and point its tracker at it")
     p.set_defaults(func=_import)
 
 
@@ -40,7 +45,8 @@ def _export(args) -> int:
 
     result = export_checkpoint(args.load, args.output, iteration=args.iteration, dtype=args.dtype,
                                max_shard_size=args.max_shard_size, tokenizer_model=args.tokenizer_model,
-                               hf_tokenizer=args.hf_tokenizer, progress=not args.no_progress)
+                               hf_tokenizer=args.hf_tokenizer, progress=not args.no_progress,
+                               verify=not args.no_verify)
     print(f"[export-hf] {result.summary()}")
     print(f"[export-hf] {result.tokenizer}")
     return 0
@@ -56,7 +62,8 @@ def _add_tokenizer(args) -> int:
 def _import(args) -> int:
     from megatron_xmod.hf.importer import import_folder
 
-    path = import_folder(args.folder, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    path = import_folder(args.folder, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                         overwrite=args.overwrite)
     print(f"[import-hf] wrote {path} (a release checkpoint: --load {args.save} starts at iteration 0 with a fresh "
           f"optimizer; saved for TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size})")
     return 0

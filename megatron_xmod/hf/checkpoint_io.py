@@ -55,13 +55,40 @@ def checkpoint_path(load_dir: str | os.PathLike, iteration: Optional[int] = None
             have = sorted(p.name for p in load_dir.iterdir() if p.name.startswith(("iter_", "release")))
             raise CheckpointError(f"iteration: {load_dir} has no {path.name}; it has {have or 'no checkpoints'}")
         return path, iteration
-    tracker = load_dir / TRACKER
-    if not tracker.is_file():
+    from megatron_xmod.training.checkpoints import read_tracker
+
+    tracked = read_tracker(str(load_dir))  # garbage in the tracker: named, with the iterations found
+    if tracked is None:
         raise CheckpointError(f"load: {load_dir} has no {TRACKER}; is it the --save folder of a megatron run?")
-    text = tracker.read_text().strip()
-    if text == "release":
+    if tracked[1]:
         return load_dir / "release", 0
-    return load_dir / f"iter_{int(text):07d}", int(text)
+    path = load_dir / f"iter_{tracked[0]:07d}"
+    if not path.is_dir():
+        raise CheckpointError(f"load: {load_dir / TRACKER} names iteration {tracked[0]} but {path} does not exist; "
+                              "write the iteration of a checkpoint that exists into it, or pass --iteration N")
+    return path, tracked[0]
+
+
+def verify_checkpoint(path: Path) -> None:
+    """The iteration folder ``path`` against the checksum manifest beside it, as ``--load`` does
+    (:func:`megatron_xmod.training.checkpoints.verify_iteration`); a folder without one is refused
+    (``verify=False`` / ``--no-verify`` for checkpoints saved before megatron_xmod wrote manifests)."""
+    from megatron_xmod.training.checkpoints import manifest_path, verify_iteration
+
+    path = Path(path)
+    release = path.name == "release"
+    iteration = 0 if release else int(path.name.rsplit("_", 1)[-1])
+    manifest, problems = verify_iteration(str(path.parent), iteration, release)
+    if manifest is None:
+        raise CheckpointError(
+            f"load: {manifest_path(str(path.parent), iteration, release)} does not exist, so {path} cannot be checked "
+            "for damage before it is read; pass --no-verify for a checkpoint saved before megatron_xmod wrote "
+            f"manifests (or `xmod ckpt verify {path.parent} --iteration {iteration} --rewrite` if you trust its files)")
+    if problems:
+        listed = "\n  ".join(problems)
+        raise CheckpointError(f"load: {path} does not match its checksum manifest, refusing to read it:\n  {listed}\n"
+                              "Restore the file(s) from a copy, or give another iteration that `xmod ckpt verify "
+                              f"{path.parent}` passes (--iteration N)")
 
 
 def read_common(path: Path) -> dict:
@@ -72,6 +99,10 @@ def read_common(path: Path) -> dict:
     if not metadata.is_file():
         raise CheckpointError(f"load: {path} is not a torch_dist checkpoint (no metadata.json); save with "
                               "--ckpt-format torch_dist (megatron's default)")
+    if not (path / ".metadata").is_file():  # megatron: "AssertionError: metadata is None"
+        raise CheckpointError(f"load: {path / '.metadata'} is missing (torch's index of the tensors, written last by "
+                              "a save: the save was interrupted, or the file was lost in a copy); restore it from a copy, "
+                              "or give another iteration (--iteration N)")
     common = dist_checkpointing.load_common_state_dict(str(path))
     if not isinstance(common.get("args"), argparse.Namespace):
         raise CheckpointError(f"load: {path} holds no saved megatron args; it was not written by megatron's "
@@ -171,18 +202,59 @@ def load_checkpoint(load_dir: str | os.PathLike, iteration: Optional[int] = None
 
 
 # ------------------------------------------------------------------------------------------------ save
+def existing_run(save_dir: Path) -> Optional[str]:
+    """What of a megatron run ``save_dir`` already holds (its tracker, iteration folders), one phrase; None."""
+    from megatron_xmod.training.checkpoints import iterations_found
+
+    save_dir = Path(save_dir)
+    held = []
+    if (save_dir / TRACKER).is_file():
+        held.append(f"{TRACKER} (reading {(save_dir / TRACKER).read_text().strip()[:40]!r})")
+    found = iterations_found(str(save_dir))
+    if found:
+        held.append(f"checkpoints of iterations {', '.join(map(str, found))}")
+    if (save_dir / "release").is_dir() and any((save_dir / "release").iterdir()):
+        held.append("a release checkpoint")
+    return " and ".join(held) or None
+
+
+def check_shapes(model_state: dict, state_dict: dict, where: str) -> None:
+    """Every tensor of ``state_dict`` in the shape the model of the args needs, named with both shapes."""
+    wrong = [(k, tuple(v.shape), tuple(model_state[k].shape)) for k, v in state_dict.items()
+             if k in model_state and model_state[k] is not None and hasattr(v, "shape")
+             and tuple(v.shape) != tuple(model_state[k].shape)]
+    if wrong:
+        listed = "; ".join(f"{k}: {have} in {where}, the model needs {need}" for k, have, need in wrong[:5])
+        more = f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else ""
+        raise CheckpointError(f"state_dict: {len(wrong)} tensor(s) of the wrong shape: {listed}{more}; the weights "
+                              "are not those of the model their recorded arguments describe (edited, or files of "
+                              "another export?)")
+
+
 def save_checkpoint(state_dict: dict, args: argparse.Namespace, save_dir: str | os.PathLike,
-                    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> Path:
+                    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                    overwrite: bool = False, identity: Optional[dict] = None, where: str = "the weights") -> Path:
     """Save a full TP1/PP1 state dict as a megatron *release* checkpoint under ``save_dir``
     (``release/`` and the tracker): ``--load`` starts from it at iteration 0 with a fresh optimizer and
     the data from its start, at any TP/PP (``torch_dist`` reshards on load). The saved args record ``tensor_model_parallel_size``
     and ``pipeline_model_parallel_size`` as the layout to resume with."""
     from megatron.core import dist_checkpointing
 
+    from megatron_xmod.training import checkpoints, run_identity
+
     save_dir = Path(save_dir)
     path = save_dir / "release"
-    if path.exists() and any(path.iterdir()):
-        raise CheckpointError(f"save: {path} exists and is not empty; choose a new --save folder")
+    held = existing_run(save_dir)
+    if held and not overwrite:
+        raise CheckpointError(f"save: --save {save_dir} already holds a run ({held}){_identity_lines(save_dir, args)}; "
+                              "choose a new --save folder, or pass --overwrite to replace its release checkpoint and "
+                              f"point {TRACKER} at it (its iter_* folders are kept)")
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)  # --overwrite
+        for stale in (save_dir / "checksums_release.json",):
+            stale.unlink(missing_ok=True)
     saved_args = copy.deepcopy(args)
     saved_args.tensor_model_parallel_size = tensor_model_parallel_size
     saved_args.pipeline_model_parallel_size = pipeline_model_parallel_size
@@ -192,6 +264,7 @@ def save_checkpoint(state_dict: dict, args: argparse.Namespace, save_dir: str | 
         setattr(saved_args, name, 0)
     with single_process_megatron():
         model = build_model(args)
+        check_shapes(model.state_dict(), state_dict, where)
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -202,5 +275,24 @@ def save_checkpoint(state_dict: dict, args: argparse.Namespace, save_dir: str | 
                   "checkpoint_version": 3.0, "iteration": 0, "num_floating_point_operations_so_far": 0}
         path.mkdir(parents=True, exist_ok=True)
         dist_checkpointing.save(common, str(path), content_metadata=content_metadata)
+    run_identity.write_record(args, str(save_dir), 0, release=True,
+                              identity=identity or run_identity.identity_of(args, with_tokenizer_hash=False))
+    algorithm = checkpoints.checksum_algorithm()  # the manifest --load and export-hf verify
+    entries = checkpoints.checksum_share(str(path), checkpoints.checkpoint_files(str(path)), algorithm)
+    checkpoints.write_manifest(str(save_dir), 0, entries, algorithm, release=True)
     (save_dir / TRACKER).write_text("release")
     return path
+
+
+def _identity_lines(save_dir: Path, args) -> str:
+    """How the run in ``save_dir`` differs from the model of ``args`` (old -> new lines), if it can be read."""
+    from megatron_xmod.training import run_identity
+
+    try:
+        path, _ = checkpoint_path(save_dir)
+        saved = read_common(path)["args"] if (path / "metadata.json").is_file() else None
+        old, _ = run_identity.saved_identity(path, saved)
+    except (ValueError, OSError):
+        return ""
+    differ = run_identity.differences(old or {}, run_identity.identity_of(args, with_tokenizer_hash=False))
+    return f", of another model (old -> new:\n{run_identity.describe(differ)}\n)" if differ else ", of the same model"

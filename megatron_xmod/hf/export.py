@@ -89,16 +89,19 @@ def args_from_json(data: dict):
 # ---------------------------------------------------------------------------------------------- export
 def export_checkpoint(load, output, iteration: Optional[int] = None, dtype: Optional[str] = None,
                       max_shard_size: str | int = "2GB", tokenizer_model=None, progress: bool = True,
-                      hf_tokenizer=None) -> ExportResult:
+                      hf_tokenizer=None, verify: bool = True) -> ExportResult:
     """Export the checkpoint under ``load`` (latest iteration unless ``iteration``) into ``output``;
     ``hf_tokenizer``: a tokenizer of the user's own instead of the run's (checked against the
-    checkpoint's vocabulary)."""
+    checkpoint's vocabulary). The checkpoint is verified against its checksum manifest first (unless
+    ``verify`` is False) and against its run identity record."""
     from transformers import GenerationConfig
 
     from megatron_xmod.cpu_shim import cpu_patches
+    from megatron_xmod.hf import checkpoint_io
     from megatron_xmod.hf.checkpoint_io import checkpoint_path, load_checkpoint, read_common, single_process_args
     from megatron_xmod.hf.state_dict_adapter import AUTO_MAP, EXPORTED_FILES, hf_config_from_args, megatron_to_hf
     from megatron_xmod.hf.tokenizer_export import resolve_tokenizer
+    from megatron_xmod.training.run_identity import check_export, identity_of, saved_identity
 
     output = Path(output)
     if output.exists() and any(output.iterdir()):
@@ -107,9 +110,12 @@ def export_checkpoint(load, output, iteration: Optional[int] = None, dtype: Opti
         raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     # Everything that can refuse the export does so before the tensors are read.
     path, _ = checkpoint_path(load, iteration)
+    if verify:
+        checkpoint_io.verify_checkpoint(path)
     with cpu_patches(training=False):
         args = read_common(path)["args"]
         hf_config = hf_config_from_args(single_process_args(args))
+    check_export(path, args, tokenizer_model if hf_tokenizer is None else None)
     resolved = resolve_tokenizer(args, output, tokenizer_model, hf_tokenizer)
     tokenizer = resolved.tokenizer
     if dtype is None:
@@ -135,8 +141,9 @@ def export_checkpoint(load, output, iteration: Optional[int] = None, dtype: Opti
     generation_config(GenerationConfig(), tokenizer).save_pretrained(str(output))
     for name, source in EXPORTED_FILES.items():
         shutil.copyfile(source, output / name)
+    identity = saved_identity(path, args)[0] or identity_of(args, with_tokenizer_hash=False)
     info = {"source": str(checkpoint.path.resolve()), "iteration": checkpoint.iteration, "dtype": dtype,
-            "megatron_args": args_to_json(checkpoint.args)}
+            "megatron_args": args_to_json(checkpoint.args), "run_identity": identity}
     (output / EXPORT_INFO).write_text(json.dumps(info, indent=1, sort_keys=True))
     umask_permissions(output)
     bar.update(1)

@@ -37,8 +37,10 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def import_folder(folder, save, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> Path:
-    """Write the megatron checkpoint of the HF ``folder`` under ``save``; returns its release folder."""
+def import_folder(folder, save, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                  overwrite: bool = False) -> Path:
+    """Write the megatron checkpoint of the HF ``folder`` under ``save``; returns its release folder. A
+    ``save`` that already holds a run is refused unless ``overwrite``."""
     from megatron_xmod.cpu_shim import cpu_patches
     from megatron_xmod.hf.checkpoint_io import save_checkpoint, single_process_args
     from megatron_xmod.hf.configuration_xmod import XModHFConfig
@@ -68,12 +70,31 @@ def import_folder(folder, save, tensor_model_parallel_size: int = 1, pipeline_mo
         value = getattr(args, name, None) or args.num_attention_heads
         if value % tensor_model_parallel_size:
             raise ValueError(f"tensor_model_parallel_size: {tensor_model_parallel_size} does not divide {name}={value}")
-    state = hf_to_megatron(read_hf_weights(folder), hf_config)
+    from megatron_xmod.hf.checkpoint_io import existing_run
+
+    held = existing_run(Path(save))
+    if held and not overwrite:  # before the weights are read (save_checkpoint says it again, with the model)
+        save_checkpoint({}, args, save, overwrite=False)
+    weights = read_hf_weights(folder)
+    check_hf_shapes(weights, hf_config, folder)
+    state = hf_to_megatron(weights, hf_config)
     # The checkpoint holds the exported dtype's values in the run's parameter dtype.
     dtype = args.params_dtype
     state = {k: (v if k.endswith(("dtopp_threshold", "dtopp_integral", "expert_bias")) else v.to(dtype))
              for k, v in state.items()}
-    return save_checkpoint(state, args, save, tensor_model_parallel_size, pipeline_model_parallel_size)
+    return save_checkpoint(state, args, save, tensor_model_parallel_size, pipeline_model_parallel_size,
+                           overwrite=overwrite, identity=info.get("run_identity"), where=f"{folder}'s weights")
+
+
+def check_hf_shapes(weights: dict, hf_config, folder: Path) -> None:
+    """Every tensor of the folder's safetensors in the shape the HF model of its config.json has (named
+    with both shapes; torch's ``size mismatch`` traceback otherwise)."""
+    from megatron_xmod.hf.checkpoint_io import check_shapes
+    from megatron_xmod.hf.modeling_xmod import XModForCausalLM
+
+    with torch.device("meta"):
+        model = XModForCausalLM(hf_config)
+    check_shapes(model.state_dict(), weights, f"{folder}'s safetensors")
 
 
 def _check_same_model(hf_config, described) -> None:
