@@ -36,7 +36,7 @@ def run_args(ckpt, **overrides):
                   ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_experts=None,
                   xmod_sparsity_k=None, xmod_anchor_stride=None, xmod_dense_prefix=None, xmod_activated_depth=None,
                   vocab_size=256, tokenizer_type="NullTokenizer", tokenizer_model=None, vocab_file=None,
-                  merge_file=None, xmod_router_bce_coeff=1e-4, lr=3e-3, train_iters=10, data_path=["a"],
+                  merge_file=None, xmod_gate_scale_learnable=True, xmod_router_bce_coeff=1e-4, lr=3e-3, train_iters=10, data_path=["a"],
                   xmod_allow_model_change=None, **ROUTED)
     fields.update(overrides)
     return Namespace(**fields)
@@ -68,7 +68,7 @@ def refusal(args) -> str:
     (dict(vocab_size=512), ["vocab_size: 256 -> 512"]),
     (dict(num_layers=5, xmod_layout="D + (S4*3 + D)"),
      ["layout: D + (S4*2 + D) -> D + (S4*3 + D)", "sparsity_k: 1,4,4,1 -> 1,4,4,4,1", "num_layers: 4 -> 5"]),
-    (dict(xmod_router_bce_coeff=1e-2), ["xmod_router_bce_coeff: 0.0001 -> 0.01"]),
+    (dict(xmod_gate_scale_learnable=False), ["xmod_gate_scale_learnable: True -> False"]),
 ], ids=["K4-to-8", "xmod-to-mod", "vocab-512", "layout", "routing"])
 def test_another_model_is_refused_one_line_per_field(tmp_path, change, lines, record):
     write_checkpoint(tmp_path, run_args(tmp_path), record=record)
@@ -104,7 +104,8 @@ def test_another_tokenizer_is_refused_by_type_and_by_file_hash(tmp_path):
 def test_what_may_change_on_resume_resumes(tmp_path):
     write_checkpoint(tmp_path, run_args(tmp_path), record=True)
     check_load(run_args(tmp_path, lr=1e-4, train_iters=50, data_path=["b"], tensor_model_parallel_size=2,
-                        seq_length=128, override_opt_param_scheduler=True))
+                        seq_length=128, override_opt_param_scheduler=True, xmod_router_bce_coeff=1e-2,
+                        xmod_token_choice_bias_tau=0.1))
 
 
 def test_unknown_allowed_field_is_refused_naming_the_fields(tmp_path):

@@ -11,7 +11,8 @@ megatron arguments it holds; the tokenizer's file hash is then unknown and not c
 
 Fields not in the identity may change on a resume (docs/first_run.md): learning rate and schedule
 (with ``--override-opt_param-scheduler``), iterations, data path and split, batch sizes, parallel
-layout (TP/PP/DP/EP: ``torch_dist`` reshards), sequence length, intervals, output folders. A field in
+layout (TP/PP/DP/EP: ``torch_dist`` reshards), sequence length, intervals, output folders, the routing
+hyperparameters that steer training (tau, the router BCE coefficient, the evaluation rule). A field in
 the identity changes only with ``--xmod-allow-model-change FIELD`` (repeatable or comma-separated).
 """
 from __future__ import annotations
@@ -29,8 +30,9 @@ _SHAPE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
           "swiglu", "normalization", "qk_layernorm", "add_bias_linear", "position_embedding_type",
           "untie_embeddings_and_output_weights")
 _VOCABULARY = ("vocab_size", "tokenizer_type")
-_ROUTING = ("xmod_token_choice_bias_tau", "xmod_token_choice_bias_increment", "xmod_router_bce_coeff",
-            "xmod_gate_scale_learnable")
+# Routing hyperparameters that only steer training (--xmod-token-choice-bias-tau, --xmod-router-bce-coeff,
+# --xmod-eval-routing) may change on resume (docs/first_run.md); the family, layout and K are above.
+_ROUTING = ("xmod_gate_scale_learnable",)
 _MOE = ("num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk",
         "moe_layer_freq", "moe_router_type", "moe_router_score_function", "moe_router_enable_expert_bias",
         "dtopp_target_experts", "dtopp_layer_targets", "dtopp_routing_norm")
