@@ -21,6 +21,8 @@ The CPU-only patches 1-11 and 21 are the CPU shim, :mod:`megatron_xmod.cpu_shim`
 - 20 :func:`call_after_evaluation`: the evaluation routing statistics after megatron's validation line.
 - 22 :func:`capture_argument_dump`: megatron's ~850-line argument dump into a buffer (``--xmod-megatron-args``).
 - 23 :func:`add_scalar_also_vs_flops`: tensorboard's ``lm loss`` curves written again against training FLOPs.
+- 24 :func:`writer_survives_sigterm`: megatron's checkpoint-writer helper process ignores SIGTERM, so a
+  preemption (SIGTERM to every process, ``--exit-signal-handler``) still saves.
 
 Replaced by megatron's public extension points (numbers kept free): 15, the iteration that the
 token-choice bias warm-up reads, is ``args.curr_iteration`` (training/training.py:3811), read by our
@@ -327,3 +329,52 @@ def add_scalar_also_vs_flops(writer, tags: tuple[str, ...], flops: Callable[[], 
         return add_scalar_and_flops
 
     install(23, writer, "add_scalar", make_wrapper)
+
+
+def writer_survives_sigterm() -> None:
+    """24. core/dist_checkpointing/strategies/filesystem_async.py:53-66 ``get_write_results_queue``
+    (called by ``FileSystemWriterAsync.prepare_write_data``, filesystem_async.py:200, on every save,
+    synchronous ones included) starts a ``multiprocessing`` Manager server process the first time and
+    keeps its queue in the module's ``_results_queue``. SLURM's preemption (``--signal=TERM@...``)
+    and ``kill -TERM`` of a job's process group send SIGTERM to every process, that helper included:
+    it dies, the save that megatron's signal handler (training/training.py:3247-3259) then starts
+    fails with ``BrokenPipeError``. Here the helper is started with SIGTERM ignored (and exits when
+    the training process is gone, so it never outlives it); the queue is the same kind of object."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def make_wrapper(original):
+        @functools.wraps(original)
+        def get_write_results_queue(mp_mode: str = "spawn"):
+            if filesystem_async._results_queue is None:
+                import multiprocessing.managers
+
+                import torch.multiprocessing as mp
+
+                manager = multiprocessing.managers.SyncManager(ctx=mp.get_context(mp_mode))
+                manager.start(initializer=_ignore_sigterm_while_parent_lives)
+                filesystem_async._results_queue = manager.Queue()
+            return filesystem_async._results_queue
+
+        return get_write_results_queue
+
+    install(24, filesystem_async, "get_write_results_queue", make_wrapper)
+
+
+def _ignore_sigterm_while_parent_lives() -> None:
+    """Patch 24's helper process: ignore SIGTERM; exit once the process that started it is gone."""
+    import multiprocessing
+    import multiprocessing.connection
+    import os
+    import signal
+    import threading
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="xmod-parent-watch").start()
