@@ -85,6 +85,8 @@ def _pretrain(argv: list[str]) -> None:
     if not args.xmod_validation_continues:
         patches.validation_from_the_start()
     patches.checkpoint_integrity(checkpoints)
+    patches.disk_space_before_save(checkpoints)
+    patches.stop_on_zero_gradients()
     config_container = pretrain_cfg_container_from_args(args, None)
     single_process_defaults()  # as late as possible: the free port is taken by the time megatron binds it
     pretrain(config_container, hooks.datasets_provider, ModelType.encoder_or_decoder, hooks.forward_step,

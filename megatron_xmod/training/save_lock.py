@@ -126,7 +126,7 @@ def acquire(save_dir: str, log=print) -> str:
                 raise SaveLockError(
                     f"save: --save {save_dir} is being written by another run ({describe(holder)}); two runs on one "
                     f"folder replace each other's checkpoints. Give this run its own --save, or stop the other run "
-                    f"first; if it is known to be gone (another host cannot be checked from here), delete {path}")
+                    f"first; if it is known to be gone (another host cannot be checked from here), delete {path}") from None
             try:
                 os.remove(path)
             except FileNotFoundError:
