@@ -55,11 +55,15 @@ def test_stale_lock_of_a_dead_pid_is_reclaimed_with_a_message(tmp_path):
     assert not os.path.exists(path)
 
 
-def test_other_ranks_never_take_the_lock(tmp_path):
+def test_other_ranks_never_take_the_lock(tmp_path, monkeypatch):
     class Args:
-        save, rank = str(tmp_path), 1
+        save, rank = str(tmp_path), 0
 
-    assert save_lock.take_for_run(Args()) is None and not (tmp_path / save_lock.LOCK_NAME).exists()
+    monkeypatch.delenv("RANK", raising=False)
+    for variable in ("RANK", "SLURM_PROCID"):  # torchrun's rank, else srun's task number
+        monkeypatch.setenv(variable, "1")
+        assert save_lock.take_for_run(Args()) is None and not (tmp_path / save_lock.LOCK_NAME).exists()
+        monkeypatch.delenv(variable)
 
 
 def test_second_run_on_one_save_stops_before_the_model_is_built(tmp_path):
@@ -316,3 +320,11 @@ def test_fp16_gradients_that_stay_zero_stop_the_run(monkeypatch):
     with pytest.raises(ValueError, match=r"^fp16: the gradients were all zero for 3 iterations in a row \(grad norm "
                                          r"0.0 at a loss scale of 1e-30\).*Drop --loss-scale"):
         training.train_step(None, None, None, Optimizer())
+
+
+def test_launchers_ask_for_the_preemption_signal_and_pass_the_handler():
+    """Before: no --exit-signal-handler and no --signal: SLURM's time limit killed the run unsaved."""
+    for launcher in sorted((REPO / "slurm").glob("*.sh")):
+        assert "#SBATCH --signal=TERM@" in launcher.read_text(), launcher
+    generic = (REPO / "slurm" / "xmod_train.sh").read_text()
+    assert "--exit-signal-handler" in generic and '--shutdown_timeout="${PREEMPT_GRACE:-240}"' in generic

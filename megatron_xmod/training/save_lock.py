@@ -1,7 +1,7 @@
 """One writer per ``--save`` folder: ``<save>/.xmod_save.lock``.
 
 Two runs given the same ``--save`` would both exit 0 while one replaces the other's checkpoints (which
-one is a race). Rank 0 of a run takes the lock at start-up, before megatron builds the tokenizer, the
+one is a race). Rank 0 of a run (``RANK``, else ``SLURM_PROCID``) takes the lock at start-up, before megatron builds the tokenizer, the
 log writers or the model (the entry point's pre-flight, patch 19); the run's other ranks never take
 or read it, so they cannot mistake their own run for a second writer. The lock is a small JSON file
 created with ``O_CREAT | O_EXCL`` (atomic, NFS included) holding the holder's host, pid, process start
@@ -9,7 +9,7 @@ time, command and SLURM job; it is removed when the process exits (``atexit``).
 
 A second run on the folder stops with :class:`SaveLockError`, naming the holder. A lock left by a
 process that no longer exists (same host, pid dead or reused by another process; or the same SLURM
-job, requeued) is stale: it is reclaimed with a message. A lock of another host cannot be judged from
+job and step, requeued) is stale: it is reclaimed with a message. A lock of another host cannot be judged from
 here: the message names the file to delete once that run is known to be gone.
 """
 from __future__ import annotations
@@ -63,6 +63,7 @@ def own_record() -> dict:
     pid = os.getpid()
     return {"host": socket.gethostname(), "pid": pid, "started": _start_time(pid) or time.time(),
             "started_at": time.strftime("%Y-%m-%d %H:%M:%S"), "slurm_job": os.environ.get("SLURM_JOB_ID"),
+            "slurm_step": os.environ.get("SLURM_STEP_ID"),
             "command": " ".join(sys.argv)[:300]}
 
 
@@ -88,8 +89,9 @@ def stale_reason(record: dict) -> Optional[str]:
     if not record:
         return "the lock file is empty or unreadable"
     ours = own_record()
-    if record.get("slurm_job") and record.get("slurm_job") == ours["slurm_job"] and record.get("pid") != ours["pid"]:
-        return f"SLURM job {record['slurm_job']} is this job (requeued)"
+    if (record.get("slurm_job") and record.get("slurm_job") == ours["slurm_job"]
+            and record.get("slurm_step") == ours["slurm_step"] and record.get("pid") != ours["pid"]):
+        return f"SLURM job {record['slurm_job']} step {record.get('slurm_step')} is this one, requeued"
     if record.get("host") != ours["host"]:
         return None
     pid = record.get("pid")
@@ -168,6 +170,7 @@ def release_all() -> None:
 def take_for_run(args, log=print) -> Optional[str]:
     """The entry point's start-up: rank 0 of a run with ``--save`` takes the lock (other ranks: None)."""
     save = getattr(args, "save", None)
-    if not save or int(getattr(args, "rank", 0) or 0) != 0:
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or getattr(args, "rank", 0) or 0
+    if not save or int(rank) != 0:
         return None
     return acquire(save, log=log)
