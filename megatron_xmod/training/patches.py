@@ -340,25 +340,27 @@ def writer_survives_sigterm() -> None:
     """24. core/dist_checkpointing/strategies/filesystem_async.py:53-66 ``get_write_results_queue``
     (called by ``FileSystemWriterAsync.prepare_write_data``, filesystem_async.py:200, on every save,
     synchronous ones included) starts a ``multiprocessing`` Manager server process the first time and
-    keeps its queue in the module's ``_results_queue``. SLURM's preemption (``--signal=TERM@...``)
+    keeps its queue in the module's ``_results_queue`` (training/async_utils.py imports that name once, at import: None). SLURM's preemption (``--signal=TERM@...``)
     and ``kill -TERM`` of a job's process group send SIGTERM to every process, that helper included:
     it dies, the save that megatron's signal handler (training/training.py:3247-3259) then starts
     fails with ``BrokenPipeError``. Here the helper is started with SIGTERM ignored (and exits when
-    the training process is gone, so it never outlives it); the queue is the same kind of object."""
+    the training process is gone, so it never outlives it); the queue (the same kind of object, one per process) is kept on the wrapper."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     def make_wrapper(original):
         @functools.wraps(original)
         def get_write_results_queue(mp_mode: str = "spawn"):
-            if filesystem_async._results_queue is None:
+            if get_write_results_queue.queue is None:
                 import multiprocessing.managers
 
                 import torch.multiprocessing as mp
 
                 manager = multiprocessing.managers.SyncManager(ctx=mp.get_context(mp_mode))
                 manager.start(initializer=_ignore_sigterm_while_parent_lives)
-                filesystem_async._results_queue = manager.Queue()
-            return filesystem_async._results_queue
+                get_write_results_queue.queue = manager.Queue()
+            return get_write_results_queue.queue
+
+        get_write_results_queue.queue = None
 
         return get_write_results_queue
 
