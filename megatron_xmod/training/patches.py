@@ -340,11 +340,13 @@ def writer_survives_sigterm() -> None:
     """24. core/dist_checkpointing/strategies/filesystem_async.py:53-66 ``get_write_results_queue``
     (called by ``FileSystemWriterAsync.prepare_write_data``, filesystem_async.py:200, on every save,
     synchronous ones included) starts a ``multiprocessing`` Manager server process the first time and
-    keeps its queue in the module's ``_results_queue`` (training/async_utils.py imports that name once, at import: None). SLURM's preemption (``--signal=TERM@...``)
-    and ``kill -TERM`` of a job's process group send SIGTERM to every process, that helper included:
-    it dies, the save that megatron's signal handler (training/training.py:3247-3259) then starts
-    fails with ``BrokenPipeError``. Here the helper is started with SIGTERM ignored (and exits when
-    the training process is gone, so it never outlives it); the queue (the same kind of object, one per process) is kept on the wrapper."""
+    keeps its queue in the module's ``_results_queue``. SLURM's preemption (``--signal=TERM@...``) and
+    ``kill -TERM`` of a job's processes send SIGTERM to every process, that helper included: it dies,
+    and the save that megatron's signal handler (training/training.py:3247-3259) then starts fails with
+    ``BrokenPipeError``. Here the helper is started with SIGTERM ignored (and exits when the training
+    process is gone, so it never outlives it); its queue, the same kind of object, one per process, is
+    kept on the wrapper (megatron's ``_results_queue`` stays None, as training/async_utils.py's import
+    of it always saw it)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     def make_wrapper(original):
