@@ -272,8 +272,9 @@ def check_finite_before_save(model_chunks, iteration: int) -> None:
         more = f" and {len(first) - 1} more" if len(first) > 1 else ""
         raise CheckpointError(
             f"save: the weights at iteration {iteration} are not finite ({first[0]}{more} hold NaN/Inf); no "
-            "checkpoint was written, the last one saved stays the latest. Resume from it with a lower --lr, "
-            "gradient clipping (--clip-grad) or --check-for-nan-in-loss-and-grad (the default)")
+            "checkpoint was written, the last one saved stays the latest. Resume from it with a lower --lr (with "
+            "--no-load-optim: megatron keys the optimizer state by the learning rate), gradient clipping "
+            "(--clip-grad) or --check-for-nan-in-loss-and-grad (the default)")
 
 
 def set_aside_incomplete(save_dir: str, iteration: int, release: bool = False) -> Optional[str]:
