@@ -14,6 +14,7 @@
 #SBATCH --exclusive
 #SBATCH --time=72:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --signal=TERM@300
 set -euo pipefail
 export BACKBONE="${BACKBONE:-1.65b}" MODEL="${MODEL:-dense}" NODES="${NODES:-8}" NPROC="${NPROC:-8}" TP="${TP:-8}"
 if [ -n "${SLURM_JOB_ID:-}" ] && [ -n "${SLURM_SUBMIT_DIR:-}" ]; then HERE="${XMOD_ROOT:-$SLURM_SUBMIT_DIR}/slurm"

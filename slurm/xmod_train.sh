@@ -37,6 +37,13 @@
 #   SMOKE=1    1 node, 2 CPU processes, TP 2, gloo, a tiny X-MoD on the embedded corpus, a few iterations
 #   SKIP_DRY_RUN=1  do not validate before srun (a real run validates first, on the batch node)
 #   XMOD_ROOT (repository; SLURM_SUBMIT_DIR under sbatch)   XMOD_PY ($XMOD_ROOT/.venv/bin/python)
+#   PREEMPT_GRACE  seconds torchrun gives its workers to finish the preemption save after SIGTERM (240)
+#
+# Preemption: the run passes --exit-signal-handler. SLURM sends SIGTERM to every process of the job at
+# preemption (within its GraceTime) and, with the #SBATCH --signal=TERM@300 below, 300 s before the time
+# limit; each worker finishes its iteration, saves a complete checkpoint (manifest included) and exits 0,
+# and a resubmission resumes from it. torchrun, signalled too, waits PREEMPT_GRACE s (--shutdown_timeout)
+# for its workers before it kills them: keep it below the signal's lead time and above a save's duration.
 #SBATCH --job-name=xmod-train
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
@@ -44,6 +51,7 @@
 #SBATCH --exclusive
 #SBATCH --time=72:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --signal=TERM@300
 set -euo pipefail
 
 if [ -n "${XMOD_ROOT:-}" ]; then ROOT="$XMOD_ROOT"
@@ -164,12 +172,12 @@ TRAIN_ARGS=("${MODEL_ARGS[@]}"
   "${DATA_ARGS[@]}"
   --save "$CKPT" --load "$CKPT" --save-interval "$SAVE_INTERVAL" --tensorboard-dir "$TB"
   --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
-  "${EXTRA[@]}")
+  --exit-signal-handler "${EXTRA[@]}")
 
 echo "[xmod] $DESC: $NODES node(s) x $NPROC processes = world size $WORLD_SIZE, TP $TP, PP $PP, $GBS sequences per step"
 MASTER_PORT=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
 CMD=(srun --kill-on-bad-exit=1 --nodes="$NODES" --ntasks-per-node=1 "$PY" -m torch.distributed.run
-     --nnodes="$NODES" --nproc_per_node="$NPROC"
+     --nnodes="$NODES" --nproc_per_node="$NPROC" --shutdown_timeout="${PREEMPT_GRACE:-240}"
      --rdzv_backend=c10d --rdzv_endpoint="\$MASTER_ADDR:$MASTER_PORT" --rdzv_id="${SLURM_JOB_ID:-\$SLURM_JOB_ID}"
      -m megatron_xmod.pretrain "${TRAIN_ARGS[@]}")
 echo "[xmod] command: $(printf '%q ' "${CMD[@]}")"

@@ -139,13 +139,26 @@ def checksum_share(iteration_dir: str, files: list[str], algorithm: str, rank: i
             for name in _share(files, rank, world)}
 
 
-def _write_atomically(path: str, text: str) -> None:
+def _file_mode(iteration_dir: str) -> int:
+    """The permission bits of the iteration's files (what megatron's writes gave them under the run's
+    umask): the manifest gets the same, so whoever can read the checkpoint can verify and load it
+    (``mkstemp`` alone would make it 0600)."""
+    for name in checkpoint_files(iteration_dir)[:1] if os.path.isdir(iteration_dir) else []:
+        return os.stat(os.path.join(iteration_dir, name)).st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _write_atomically(path: str, text: str, mode: Optional[int] = None) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".json", dir=directory)
     try:
         with os.fdopen(fd, "w") as stream:
             stream.write(text)
             stream.flush()
+            if mode is not None:
+                os.fchmod(stream.fileno(), mode)
             os.fsync(stream.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -165,7 +178,8 @@ def write_manifest(checkpoint_dir: str, iteration: int, entries: dict[str, dict]
     manifest = {"version": MANIFEST_VERSION, "iteration": iteration, "release": release,
                 "directory": iteration_dir_name(iteration, release), "algorithm": algorithm,
                 "files": dict(sorted(entries.items()))}
-    _write_atomically(path, json.dumps(manifest, indent=1) + "\n")
+    _write_atomically(path, json.dumps(manifest, indent=1) + "\n",
+                      mode=_file_mode(os.path.join(checkpoint_dir, iteration_dir_name(iteration, release))))
     return path
 
 
@@ -258,8 +272,9 @@ def check_finite_before_save(model_chunks, iteration: int) -> None:
         more = f" and {len(first) - 1} more" if len(first) > 1 else ""
         raise CheckpointError(
             f"save: the weights at iteration {iteration} are not finite ({first[0]}{more} hold NaN/Inf); no "
-            "checkpoint was written, the last one saved stays the latest. Resume from it with a lower --lr, "
-            "gradient clipping (--clip-grad) or --check-for-nan-in-loss-and-grad (the default)")
+            "checkpoint was written, the last one saved stays the latest. Resume from it with a lower --lr (with "
+            "--no-load-optim: megatron keys the optimizer state by the learning rate), gradient clipping "
+            "(--clip-grad) or --check-for-nan-in-loss-and-grad (the default)")
 
 
 def set_aside_incomplete(save_dir: str, iteration: int, release: bool = False) -> Optional[str]:
@@ -351,3 +366,77 @@ def verify_before_load(load_dir: str, ckpt_step: Optional[int] = None) -> Option
         print(f"[xmod] checkpoint iteration {iteration} of {load_dir} verified against its manifest "
               f"({len(manifest['files'])} files, {manifest['algorithm']})", flush=True)
     return iteration
+
+
+# ----------------------------------------------------------------------------- disk space
+def directory_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(directory, name)) for name in checkpoint_files(directory))
+
+
+def latest_complete_size(save_dir: str) -> Optional[tuple[int, int]]:
+    """(iteration, bytes) of the checkpoint the tracker names in ``save_dir``; None when there is none."""
+    try:
+        tracked = read_tracker(save_dir)
+    except CheckpointError:
+        return None
+    if tracked is None:
+        return None
+    directory = os.path.join(save_dir, iteration_dir_name(*tracked))
+    return (tracked[0], directory_bytes(directory)) if os.path.isdir(directory) else None
+
+
+def _size(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def check_free_space(checkpoint_dir: str, needed: int) -> None:
+    """Before a checkpoint of about ``needed`` bytes is written into ``checkpoint_dir`` (an ``iter_*``
+    folder, perhaps not created yet): refuse when its file system has less free space (a save that
+    runs out of space leaves a half-written folder and torch's ``unexpected pos`` message)."""
+    import shutil
+
+    existing = os.path.abspath(checkpoint_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        save_dir = os.path.dirname(os.path.abspath(checkpoint_dir))
+        raise CheckpointError(
+            f"save: not enough disk space for {checkpoint_dir}: the checkpoint needs about {_size(needed)}, the file "
+            f"system of {save_dir} has {_size(free)} free (ENOSPC would follow); nothing was written, the last "
+            "complete checkpoint stays the latest. Free space there (e.g. delete old iter_* folders) or move --save")
+
+
+def name_disk_full(error: BaseException, checkpoint_dir: str) -> Optional[CheckpointError]:
+    """A save that failed because the disk filled up (``OSError`` ENOSPC, or torch's
+    ``[enforce fail at inline_container.cc] unexpected pos`` with no space left), as a CheckpointError
+    naming ENOSPC; None for any other failure."""
+    import errno
+    import shutil
+
+    causes, cause = [], error
+    while cause is not None and len(causes) < 8:
+        causes.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    full = any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes)
+    if not full:
+        existing = os.path.abspath(checkpoint_dir)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        try:
+            free = shutil.disk_usage(existing).free
+        except OSError:
+            return None
+        text = " ".join(str(c) for c in causes)
+        full = free < (1 << 20) and ("unexpected pos" in text or "No space left" in text or "write" in text.lower())
+    if not full:
+        return None
+    return CheckpointError(
+        f"save: no space left on device (ENOSPC) while writing {checkpoint_dir} ({type(error).__name__}: "
+        f"{str(error).strip()[:200]}); that folder is incomplete and is not named by the tracker: the last complete "
+        "checkpoint stays the latest, and a resume sets the incomplete folder aside. Free space on the file system "
+        "of --save (or move it), then resume with --load")

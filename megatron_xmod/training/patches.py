@@ -21,6 +21,12 @@ The CPU-only patches 1-11 and 21 are the CPU shim, :mod:`megatron_xmod.cpu_shim`
 - 20 :func:`call_after_evaluation`: the evaluation routing statistics after megatron's validation line.
 - 22 :func:`capture_argument_dump`: megatron's ~850-line argument dump into a buffer (``--xmod-megatron-args``).
 - 23 :func:`add_scalar_also_vs_flops`: tensorboard's ``lm loss`` curves written again against training FLOPs.
+- 24 :func:`writer_survives_sigterm`: megatron's checkpoint-writer helper process ignores SIGTERM, so a
+  preemption (SIGTERM to every process, ``--exit-signal-handler``) still saves.
+- 25 :func:`disk_space_before_save`: free space checked against the checkpoint's size before megatron
+  writes it; a save that still runs out of space names ENOSPC.
+- 26 :func:`stop_on_zero_gradients` (fp16): a run whose gradients stay all-zero (loss scale underflow)
+  stops with the reason.
 
 Replaced by megatron's public extension points (numbers kept free): 15, the iteration that the
 token-choice bias warm-up reads, is ``args.curr_iteration`` (training/training.py:3811), read by our
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import time
 from collections.abc import Callable
 
@@ -330,3 +337,157 @@ def add_scalar_also_vs_flops(writer, tags: tuple[str, ...], flops: Callable[[], 
         return add_scalar_and_flops
 
     install(23, writer, "add_scalar", make_wrapper)
+
+
+def writer_survives_sigterm() -> None:
+    """24. core/dist_checkpointing/strategies/filesystem_async.py:53-66 ``get_write_results_queue``
+    (called by ``FileSystemWriterAsync.prepare_write_data``, filesystem_async.py:200, on every save,
+    synchronous ones included) starts a ``multiprocessing`` Manager server process the first time and
+    keeps its queue in the module's ``_results_queue``. SLURM's preemption (``--signal=TERM@...``) and
+    ``kill -TERM`` of a job's processes send SIGTERM to every process, that helper included: it dies,
+    and the save that megatron's signal handler (training/training.py:3247-3259) then starts fails with
+    ``BrokenPipeError``. Here the helper is started with SIGTERM ignored (and exits when the training
+    process is gone, so it never outlives it); its queue, the same kind of object, one per process, is
+    kept on the wrapper (megatron's ``_results_queue`` stays None, as training/async_utils.py's import
+    of it always saw it)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def make_wrapper(original):
+        @functools.wraps(original)
+        def get_write_results_queue(mp_mode: str = "spawn"):
+            if get_write_results_queue.queue is None:
+                import multiprocessing.managers
+
+                import torch.multiprocessing as mp
+
+                manager = multiprocessing.managers.SyncManager(ctx=mp.get_context(mp_mode))
+                manager.start(initializer=_ignore_sigterm_while_parent_lives)
+                get_write_results_queue.queue = manager.Queue()
+            return get_write_results_queue.queue
+
+        get_write_results_queue.queue = None
+
+        return get_write_results_queue
+
+    install(24, filesystem_async, "get_write_results_queue", make_wrapper)
+
+
+def _ignore_sigterm_while_parent_lives() -> None:
+    """Patch 24's helper process: ignore SIGTERM; exit once the process that started it is gone."""
+    import multiprocessing
+    import multiprocessing.connection
+    import os
+    import signal
+    import threading
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="xmod-parent-watch").start()
+
+
+def disk_space_before_save(guard) -> None:
+    """25. training/checkpointing.py:827 ``dist_checkpointing.save(state_dict, checkpoint_name, ...)``
+    (core/dist_checkpointing/serialization.py:349 ``save``, called on every rank) writes the ``iter_*``
+    folder. Before it: ``guard.check_free_space(folder, bytes)`` with the size of the last complete
+    checkpoint (else this save's own tensors, summed over the ranks), decided together by all ranks so
+    none is left waiting in the save's collectives; after a failure, ``guard.name_disk_full`` turns a
+    full disk (ENOSPC, or torch's ``inline_container.cc ... unexpected pos``) into a message naming it
+    (``guard``: :mod:`megatron_xmod.training.checkpoints`)."""
+    from megatron.core import dist_checkpointing
+
+    def make_wrapper(save):
+        @functools.wraps(save)
+        def save_with_space(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+            guard = save_with_space.guard
+            folder = str(checkpoint_dir)
+            previous = guard.latest_complete_size(os.path.dirname(os.path.abspath(folder)))
+            needed = previous[1] if previous else _main_replica_bytes(sharded_state_dict)
+            refusals = guard._gather(_refusal(guard, folder, needed, previous is not None))
+            refused = next((text for text in refusals if text), None)
+            if refused:
+                raise guard.CheckpointError(refused)
+            try:
+                return save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            except Exception as error:
+                named = guard.name_disk_full(error, folder)
+                if named is not None:
+                    raise named from error
+                raise
+
+        return save_with_space
+
+    install(25, dist_checkpointing, "save", make_wrapper).guard = guard
+
+
+def _refusal(guard, folder: str, needed: int, whole: bool):
+    """This rank's refusal text (None: enough space). ``whole``: ``needed`` is a whole checkpoint's size,
+    checked by rank 0 alone; else this rank's own share, summed by every rank's check."""
+    import torch
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if whole and rank != 0:
+        return None
+    try:
+        guard.check_free_space(folder, needed if whole else needed * world)
+    except guard.CheckpointError as error:
+        return str(error)
+    return None
+
+
+def _main_replica_bytes(sharded_state_dict) -> int:
+    """Bytes of the tensors this rank writes (main replicas only); 0 when the state cannot be read."""
+    try:
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+        return sum(value.data.numel() * value.data.element_size() for value in nested_values(sharded_state_dict)
+                   if isinstance(value, ShardedTensor) and value.data is not None
+                   and is_main_replica(value.replica_id))
+    except Exception:
+        return 0
+
+
+def stop_on_zero_gradients(patience: int = 3) -> None:
+    """26. training/training.py:2336 ``train_step`` returns the iteration's global ``grad_norm``
+    (index 5, all-reduced: every rank sees the same; called at training.py:3856). With ``--fp16`` a loss
+    scale so small that every gradient underflows (``--loss-scale 1e-30``) trains on with grad norm 0.0
+    and exit 0, updating nothing: after ``patience`` such iterations in a row, stop (ValueError on every
+    rank, the entry point's exit 2) naming the loss scale and the fix."""
+    import megatron.training.training as training
+
+    def make_wrapper(train_step):
+        zeros = [0]
+
+        @functools.wraps(train_step)
+        def train_step_watched(*args, **kwargs):
+            result = train_step(*args, **kwargs)
+            run_args = training.get_args()
+            grad_norm, skipped = result[5], result[1]
+            if not getattr(run_args, "fp16", False) or skipped or grad_norm is None:
+                return result
+            zeros[0] = zeros[0] + 1 if float(grad_norm) == 0.0 else 0
+            if zeros[0] >= patience:
+                optimizer = kwargs.get("optimizer", args[3] if len(args) > 3 else None)
+                try:
+                    scale = float(optimizer.get_loss_scale())
+                except Exception:
+                    scale = getattr(run_args, "loss_scale", None)
+                scale = "unknown" if scale is None else f"{scale:g}"
+                raise ValueError(
+                    f"fp16: the gradients were all zero for {zeros[0]} iterations in a row (grad norm 0.0 at a loss "
+                    f"scale of {scale}): they underflow in fp16 and the weights do not change. Drop --loss-scale "
+                    "to use dynamic loss scaling (or give --initial-loss-scale 65536 / a --loss-scale of 2**10 to "
+                    "2**16), or train with --bf16")
+            return result
+
+        return train_step_watched
+
+    install(26, training, "train_step", make_wrapper)

@@ -50,6 +50,8 @@ def validate_before_training(args, vocab_size: Optional[int] = None) -> None:
         if args.seq_length % k:
             raise ValueError(f"seq_length: {args.seq_length} is not divisible by sparsity K={k} (top-k routes exactly L/K tokens)")
     check_outputs(args)
+    check_blend(args)
+    check_resume_point(args)
     check_load(args)
     if not args.mock_data:
         built = _built_tokenizer()
@@ -556,6 +558,92 @@ def check_schedule(args, directory: str, saved: Optional[dict]) -> None:
         "match'; pass --override-opt_param-scheduler to continue on this command line's schedule (the usual choice "
         "when training longer; slurm launchers: EXTRA_ARGS=--override-opt_param-scheduler), or "
         "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+
+
+# ----------------------------------------------------------------------------- blend weights
+def check_blend(args) -> None:
+    """``--data-path`` (and the per-split paths) is either prefixes alone or ``W1 PREFIX1 W2 PREFIX2 ...``
+    with every weight a positive number; megatron asserts deep in its dataset building (``path prefix 0.5``
+    for a missing weight), after the model is built. Name the flag, the position and the fix now."""
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        values = list(getattr(args, flag, None) or [])
+        option = "--" + flag.replace("_", "-")
+        if len(values) < 2 or not any(_is_number(v) for v in values):
+            continue  # prefixes alone (equal weights by size)
+        given = " ".join(values)
+        form = f"{option} W1 PREFIX1 W2 PREFIX2 ... (a positive weight before every prefix)"
+        if len(values) % 2:
+            raise ValueError(f"{flag}: {option} {given}: {len(values)} values, so a weight or a prefix is missing; "
+                             f"write {form}, or give the prefixes alone")
+        for position in range(0, len(values), 2):
+            weight, prefix = values[position], values[position + 1]
+            if not _is_number(weight):
+                raise ValueError(f"{flag}: {option} {given}: {weight!r} (value {position + 1}) is not a weight; write "
+                                 f"{form}")
+            if _is_number(prefix):
+                raise ValueError(f"{flag}: {option} {given}: {prefix!r} (value {position + 2}) is a number where a "
+                                 f"prefix belongs; write {form}")
+            number = float(weight)
+            if not (number > 0 and np.isfinite(number)):
+                raise ValueError(f"{flag}: {option} {given}: the weight {weight} of {prefix} is not a positive number "
+                                 "(megatron normalizes the weights to sum to 1; 0 or a negative weight is an assertion "
+                                 f"after the model is built); give it a weight above 0, or leave {prefix} out")
+
+
+# ----------------------------------------------------------------------------- where a resume starts
+def check_resume_point(args) -> None:
+    """What megatron meets later, with tracebacks, when resuming: a ``--ckpt-step`` of an iteration the
+    ``--load`` folder does not hold (megatron warns "loaded unverified", then fails on the folder); a
+    ``--train-iters`` below the checkpoint's iteration (an ``OptimizerParamScheduler`` assertion); a new
+    ``--lr`` / ``--min-lr`` / weight decay with the optimizer state loaded (megatron's parameter groups are
+    keyed by them: ``Could not find parameter group with key``)."""
+    load = getattr(args, "load", None)
+    if not load or not os.path.isdir(load):
+        return
+    from megatron_xmod.training.checkpoints import iteration_dir_name, iterations_found, read_tracker
+
+    step = getattr(args, "ckpt_step", None)
+    if step:
+        directory = os.path.join(load, iteration_dir_name(int(step)))
+        if not os.path.isdir(directory):
+            found = iterations_found(load)
+            listed = ", ".join(map(str, found)) or "none"
+            fix = (f"pass one of them (--ckpt-step {found[-1]} is the latest), or drop --ckpt-step to resume "
+                   "from the iteration latest_checkpointed_iteration.txt names" if found else
+                   "drop --ckpt-step and --load to start from scratch")
+            raise ValueError(f"ckpt_step: --ckpt-step {step} asks for iteration {step} but {directory} does not exist "
+                             f"(iterations in --load {load}: {listed}); {fix}")
+        tracked = (int(step), False)
+    else:
+        tracked = read_tracker(load)
+    if tracked is None or tracked[1] or getattr(args, "finetune", False):
+        return  # nothing to resume, a release checkpoint or --finetune: training starts at iteration 0
+    iteration = tracked[0]
+    train_iters = getattr(args, "train_iters", None)
+    if train_iters and iteration > train_iters:
+        raise ValueError(f"train_iters: --train-iters {train_iters} is below iteration {iteration} of the checkpoint "
+                         f"--load {load} resumes (megatron would stop on an OptimizerParamScheduler assertion); pass "
+                         f"--train-iters above {iteration} (with --override-opt_param-scheduler for the longer "
+                         f"schedule), or --ckpt-step N of an earlier checkpoint, or --finetune to start the count at 0")
+    if getattr(args, "no_load_optim", False) or getattr(args, "use_checkpoint_args", False):
+        return
+    saved = saved_common_state(os.path.join(load, iteration_dir_name(iteration)))
+    saved_args = (saved or {}).get("args")
+    if saved_args is None:
+        return
+    differ = [(flag, getattr(saved_args, name), getattr(args, name))
+              for name, flag in (("lr", "--lr"), ("min_lr", "--min-lr"), ("start_weight_decay", "--start-weight-decay"),
+                                 ("end_weight_decay", "--end-weight-decay"))
+              if hasattr(saved_args, name) and hasattr(args, name) and getattr(saved_args, name) is not None
+              and getattr(args, name) is not None and getattr(saved_args, name) != getattr(args, name)]
+    if differ:
+        text = ", ".join(f"{flag} {old} there, {new} here" for flag, old, new in differ)
+        raise ValueError(
+            f"no_load_optim: --load {load} (iteration {iteration}) was saved with other optimizer settings ({text}); "
+            "megatron keys the optimizer state's parameter groups by them and would stop with 'Could not find "
+            "parameter group with key (...)'. To train on with the new values pass --no-load-optim (the weights "
+            "are loaded, Adam's moments restart; add --override-opt_param-scheduler if the schedule changes too), "
+            "or resume with the checkpoint's " + " ".join(f"{flag} {old}" for flag, old, _ in differ))
 
 
 def _is_number(text: str) -> bool:

@@ -55,7 +55,7 @@ def _pretrain(argv: list[str]) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_xmod.training import checkpoints
+    from megatron_xmod.training import checkpoints, save_lock
     from megatron_xmod.training.hooks import xmod_train_hooks
     from megatron_xmod.training.log import startup_summary
     from megatron_xmod.training.preflight import check_before_megatron_setup, validate_before_training
@@ -63,7 +63,13 @@ def _pretrain(argv: list[str]) -> None:
     sys.argv = [sys.argv[0]] + argv
     hooks = xmod_train_hooks()
     patches.skip_dataset_helper_build()
-    patches.checks_before_tokenizer(check_before_megatron_setup)
+
+    def before_megatron_setup(args) -> None:
+        check_before_megatron_setup(args)
+        save_lock.take_for_run(args)  # rank 0: one writer per --save, before anything is built
+
+    patches.checks_before_tokenizer(before_megatron_setup)
+    patches.writer_survives_sigterm()
     dump = io.StringIO()
     restore_argument_dump = patches.capture_argument_dump(dump)
     try:
@@ -79,6 +85,8 @@ def _pretrain(argv: list[str]) -> None:
     if not args.xmod_validation_continues:
         patches.validation_from_the_start()
     patches.checkpoint_integrity(checkpoints)
+    patches.disk_space_before_save(checkpoints)
+    patches.stop_on_zero_gradients()
     config_container = pretrain_cfg_container_from_args(args, None)
     single_process_defaults()  # as late as possible: the free port is taken by the time megatron binds it
     pretrain(config_container, hooks.datasets_provider, ModelType.encoder_or_decoder, hooks.forward_step,

@@ -61,7 +61,7 @@ def nonfinite_message(layers: list[int], counts: list[float]) -> Optional[str]:
         return None
     return (f"non-finite router logits in {', '.join(bad)}: this micro-batch's loss is set to NaN. A NaN/Inf router "
             "weight or layer input in the first of these layers; resume from the last checkpoint (`xmod ckpt verify` checks it) with a "
-            "lower --lr or --clip-grad")
+            "lower --lr (with --no-load-optim) or --clip-grad")
 
 
 def loss_func(loss_mask: torch.Tensor, router_bce: Optional[torch.Tensor], topk_losses: Optional[torch.Tensor],
