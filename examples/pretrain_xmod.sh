@@ -95,4 +95,4 @@ if [ "${DRY_RUN:-0}" = "1" ]; then
     # megatron's full argument validation plus the plugin's, at this launch's world size, no GPU
     WORLD_SIZE=$((NNODES * NPROC)) exec "$PY" -m megatron_xmod.training.dry_run "${ARGS[@]}"
 fi
-exec "$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" -m megatron_xmod.pretrain "${ARGS[@]}"
+exec "$PY" -m megatron_xmod.training.torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_xmod.pretrain "${ARGS[@]}"

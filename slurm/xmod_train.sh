@@ -37,13 +37,13 @@
 #   SMOKE=1    1 node, 2 CPU processes, TP 2, gloo, a tiny X-MoD on the embedded corpus, a few iterations
 #   SKIP_DRY_RUN=1  do not validate before srun (a real run validates first, on the batch node)
 #   XMOD_ROOT (repository; SLURM_SUBMIT_DIR under sbatch)   XMOD_PY ($XMOD_ROOT/.venv/bin/python)
-#   PREEMPT_GRACE  seconds torchrun gives its workers to finish the preemption save after SIGTERM (240)
+#   PREEMPT_GRACE  seconds torchrun gives its workers after a second SIGTERM or a failure (240)
 #
 # Preemption: the run passes --exit-signal-handler. SLURM sends SIGTERM to every process of the job at
 # preemption (within its GraceTime) and, with the #SBATCH --signal=TERM@300 below, 300 s before the time
 # limit; each worker finishes its iteration, saves a complete checkpoint (manifest included) and exits 0,
-# and a resubmission resumes from it. torchrun, signalled too, waits PREEMPT_GRACE s (--shutdown_timeout)
-# for its workers before it kills them: keep it below the signal's lead time and above a save's duration.
+# and a resubmission resumes from it. The agent is megatron_xmod.training.torchrun (torchrun's own, but on
+# SIGTERM it passes the signal on and waits for its workers, so the step exits 0 however long the save takes).
 #SBATCH --job-name=xmod-train
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
@@ -176,7 +176,7 @@ TRAIN_ARGS=("${MODEL_ARGS[@]}"
 
 echo "[xmod] $DESC: $NODES node(s) x $NPROC processes = world size $WORLD_SIZE, TP $TP, PP $PP, $GBS sequences per step"
 MASTER_PORT=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
-CMD=(srun --kill-on-bad-exit=1 --nodes="$NODES" --ntasks-per-node=1 "$PY" -m torch.distributed.run
+CMD=(srun --kill-on-bad-exit=1 --nodes="$NODES" --ntasks-per-node=1 "$PY" -m megatron_xmod.training.torchrun
      --nnodes="$NODES" --nproc_per_node="$NPROC" --shutdown_timeout="${PREEMPT_GRACE:-240}"
      --rdzv_backend=c10d --rdzv_endpoint="\$MASTER_ADDR:$MASTER_PORT" --rdzv_id="${SLURM_JOB_ID:-\$SLURM_JOB_ID}"
      -m megatron_xmod.pretrain "${TRAIN_ARGS[@]}")

@@ -89,16 +89,20 @@ def test_second_run_on_one_save_stops_before_the_model_is_built(tmp_path):
 
 
 # ----------------------------------------------------------------------------- 4. preemption
+AGENT = [sys.executable, "-m", "megatron_xmod.training.torchrun"]  # the launchers' torchrun
+
+
 @pytest.mark.slow
 def test_sigterm_to_every_process_of_a_torchrun_job_saves_and_exits_0(tmp_path):
-    """Before: the signal also killed megatron's checkpoint-writer helper (a multiprocessing Manager),
-    the save failed with BrokenPipeError and the job did not exit 0."""
+    """SIGTERM to the agent and to every worker process, as SLURM sends it. Before: the signal also
+    killed megatron's checkpoint-writer helper (a multiprocessing Manager), the save failed with
+    BrokenPipeError; and torchrun's agent, signalled too, exited non-zero."""
     import psutil
 
     data = write_byte_data(str(tmp_path / "bytes"))
     save = tmp_path / "ckpt"
     log = open(tmp_path / "log.txt", "w+")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+    command = [*AGENT, "--nproc_per_node=1", f"--master_port={free_port()}",
                "-m", "megatron_xmod.pretrain", *ROUTED,
                *common_flags(data, 500, "--save", str(save), "--save-interval", "2", "--exit-signal-handler",
                              "--eval-interval", "1000")]
@@ -109,9 +113,10 @@ def test_sigterm_to_every_process_of_a_torchrun_job_saves_and_exits_0(tmp_path):
         while "iteration        3/" not in open(log.name).read():
             assert job.poll() is None and time.time() < deadline, open(log.name).read()[-5000:]
             time.sleep(1)
-        workers = psutil.Process(job.pid).children(recursive=True)  # workers and their helper processes
+        agent = psutil.Process(job.pid)
+        workers = agent.children(recursive=True)  # workers and their helper processes
         assert any("multiprocessing" in " ".join(p.cmdline()) for p in workers)  # megatron's writer helper
-        for process in workers:
+        for process in [agent, *workers]:
             try:
                 process.send_signal(signal.SIGTERM)
             except psutil.NoSuchProcess:
@@ -123,10 +128,59 @@ def test_sigterm_to_every_process_of_a_torchrun_job_saves_and_exits_0(tmp_path):
     text = open(log.name).read()
     assert rc == 0, text[-5000:]
     assert "exiting program after receiving SIGTERM" in text and "BrokenPipeError" not in text
+    assert "[xmod] torchrun: SIGTERM: passed on to the workers" in text
     iteration, _ = checkpoints.read_tracker(str(save))
     assert iteration >= 3  # the save on the exit path, after the periodic one at 2
     manifest, problems = checkpoints.verify_iteration(str(save), iteration)
     assert manifest is not None and problems == []
+
+
+SLOW_SAVER = """
+import os, signal, sys, time
+def save_and_exit(signum, frame):
+    time.sleep(4)  # a preemption save longer than the agent's --shutdown_timeout
+    with open(sys.argv[1], "a") as f:
+        f.write(os.environ["RANK"] + "\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, save_and_exit)
+open(sys.argv[1] + "." + os.environ["RANK"] + ".ready", "w").close()
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("to_workers", [True, False], ids=["sigterm-to-every-process", "sigterm-to-the-agent-only"])
+def test_the_agent_waits_for_a_save_longer_than_the_shutdown_timeout(tmp_path, to_workers):
+    """Before (plain torchrun): the agent killed the workers 1 s (--shutdown_timeout) after SIGTERM,
+    nothing was saved, and it exited 1 with a SignalException."""
+    script, saved = tmp_path / "saver.py", tmp_path / "saved.txt"
+    script.write_text(SLOW_SAVER)
+    job = subprocess.Popen([*AGENT, "--nproc_per_node=2", "--shutdown_timeout=1", f"--master_port={free_port()}",
+                            str(script), str(saved)], env=entry_env(), cwd=REPO, start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while not all((tmp_path / f"saved.txt.{rank}.ready").exists() for rank in (0, 1)):
+            assert job.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        if to_workers:
+            os.killpg(job.pid, signal.SIGTERM)  # the agent and its workers: one process group here
+        else:
+            job.send_signal(signal.SIGTERM)
+        output, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, output[-3000:]
+    assert sorted(saved.read_text().split()) == ["0", "1"]  # both workers finished their save
+    assert "passed on to the workers" in output and "SignalException" not in output
+
+
+def test_the_agent_leaves_sigterm_to_itself_and_the_rest_to_torchrun():
+    from megatron_xmod.training.torchrun import signals_left_to_torchrun
+
+    assert signals_left_to_torchrun(None) == "SIGINT,SIGHUP,SIGQUIT"
+    assert signals_left_to_torchrun("SIGTERM, SIGUSR1") == "SIGUSR1"
 
 
 # ----------------------------------------------------------------------------- 5. clear errors
@@ -328,3 +382,4 @@ def test_launchers_ask_for_the_preemption_signal_and_pass_the_handler():
         assert "#SBATCH --signal=TERM@" in launcher.read_text(), launcher
     generic = (REPO / "slurm" / "xmod_train.sh").read_text()
     assert "--exit-signal-handler" in generic and '--shutdown_timeout="${PREEMPT_GRACE:-240}"' in generic
+    assert '"$PY" -m megatron_xmod.training.torchrun' in generic and "torch.distributed.run" not in generic
