@@ -150,6 +150,19 @@ def test_resume_with_another_k_is_refused_by_the_entry_point_before_the_model_is
     assert "  sparsity_k: 1,4,4,1 -> 1,8,8,1" in text and "  vocab_size: 256 -> 512" in text
     assert "number of parameters on" not in text and "KeyError" not in text  # before the model is built
 
+    # The same model, resumed wrongly (issue 27's smaller cases, through the entry point): each refused
+    # with exit 2 before the model is built, naming the flag and the fix.
+    for extra, message in [
+        (["--train-iters", "2"], "train_iters: --train-iters 2 is below iteration 3"),  # before: a scheduler assertion
+        (["--ckpt-step", "99"], "ckpt_step: --ckpt-step 99"),  # before: 'loaded unverified', then a missing folder
+        (["--lr", "1e-3"], "no_load_optim: "),  # before: megatron's 'Could not find parameter group with key'
+    ]:
+        flags = common_flags(data, 6, "--load", str(ckpt), "--eval-iters", "0")
+        resumed = torchrun(1, ["-m", "megatron_xmod.pretrain"], routed + flags + extra, check=False)
+        text = resumed.stdout + resumed.stderr
+        assert "exitcode: 2" in text and message in text, (extra, text[-3000:])
+        assert "number of parameters on" not in text, extra
+
 
 # ----------------------------------------------------------------------------- 2. export-hf, import-hf
 @pytest.fixture
