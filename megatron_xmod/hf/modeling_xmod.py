@@ -217,8 +217,12 @@ class XModDecoderLayer(nn.Module):
         attention = self.self_attn(self.input_layernorm(x), positions, valid, cache)
         return attention, self.mlp(self.post_attention_layernorm(x + attention))
 
-    def forward(self, x, positions, valid, cache=None, carried_bias=None, rule="threshold"):
-        """Returns (x, token-choice bias after this layer or None for a dense layer)."""
+    def forward(self, x, positions, valid, cache=None, carried_bias=None, rule="threshold", routes_one=False):
+        """Returns (x, token-choice bias after this layer or None for a dense layer).
+
+        ``routes_one``: a decode step (one new token per sequence) known to route at least one of them
+        here (:meth:`XModModel._decode_sparse_run`): the batch takes the static one-entry shape
+        without reading the selection back from the device."""
         if not self.sparse:
             attention, mlp = self._attention_and_mlp(x, positions, valid, cache)
             return x + attention + mlp, None
@@ -229,6 +233,8 @@ class XModDecoderLayer(nn.Module):
         bias = update_token_choice_bias(carried, decision.selected, cfg.token_choice_bias_increment).t()
         if decision.topk_indices is not None:
             indices, keep = decision.topk_indices, None
+        elif routes_one and x.shape[1] == 1:
+            indices, keep = torch.zeros_like(decision.selected, dtype=torch.long), decision.selected
         else:
             indices, keep = padded_selection(decision.selected)
             if indices is None:  # no token of this step is routed here: nothing to attend, nothing cached
@@ -286,6 +292,10 @@ class XModModel(XModPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(XModDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = XModRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._sparse_run_end = {first: end for first, end in self.sparse_runs()}
+        # Decode steps skip the sparse layers that route none of the new tokens (_decode_sparse_run);
+        # False runs every sparse layer's own routing at every step (the path before it, for comparison).
+        self.decode_skips_unrouted = True
         self.post_init()
 
     def get_input_embeddings(self):
@@ -334,12 +344,67 @@ class XModModel(XModPreTrainedModel):
             else:
                 position_ids = torch.arange(past, past + n, device=x.device).expand(b, n)
         position_ids = position_ids.expand(b, n)
+        decoding = self.decode_skips_unrouted and cache is not None and n == 1 and rule == "threshold"
         bias = None  # token-choice bias of this pass's tokens, from the sparse layer just run
-        for i, layer in enumerate(self.layers):
-            x, bias = layer(x, position_ids, valid, cache, bias if cfg.carries_bias(i) else None, rule)
+        i = 0
+        while i < len(self.layers):
+            if decoding and self.layers[i].sparse:
+                i, x, bias = self._decode_sparse_run(i, x, position_ids, valid, cache)
+                continue
+            x, bias = self.layers[i](x, position_ids, valid, cache, bias if cfg.carries_bias(i) else None, rule)
+            i += 1
         if cache is not None:
             cache.advance(n)
         return self.norm(x), cache
+
+    def sparse_runs(self) -> list[tuple[int, int]]:
+        """(first, end) of every run of consecutive sparse layers (one token-choice-bias chain each)."""
+        runs, kinds = [], [layer.sparse for layer in self.layers]
+        for i, sparse in enumerate(kinds):
+            if sparse and (i == 0 or not kinds[i - 1]):
+                end = i
+                while end < len(kinds) and kinds[end]:
+                    end += 1
+                runs.append((i, end))
+        return runs
+
+    def _decode_sparse_run(self, start: int, x, positions, valid, cache):
+        """One decode step through the sparse layers ``start`` .. end of its run; returns (end, x, bias).
+
+        A layer that routes none of the new tokens leaves x and the token-choice bias as they were, so
+        the router scores of every remaining layer of the run, up to the first one that routes a token,
+        are those of the same x: one matmul scores them all and one device read (the only host sync of
+        a run without routed tokens) finds that first layer; the layers before it run nothing, not even
+        their routers. The decision stays the layer's own: the matmul's scores may differ from the
+        layer's router in the last bits (another summation order), so a layer is skipped only when its
+        score is below 0 by more than a bound on that difference, and a layer whose score is that close
+        to 0 runs its own routing with the usual read of how many tokens it took."""
+        end = self._sparse_run_end[start]
+        weight, weight_abs, router_bias = self._router_stacks(start, end)
+        tau, bias, i = self.config.token_choice_bias_tau, None, start  # bias [b, 1]: None until a layer routes
+        while i < end:
+            x32 = x[:, 0].float()  # [b, h]
+            logits = F.linear(x32, weight[i - start:], router_bias[i - start:])  # [b, layers left]
+            scores = logits if bias is None or tau == 0 else logits - tau * bias
+            bound = F.linear(x32.abs(), weight_abs[i - start:], router_bias[i - start:].abs())
+            margin = (2 * x.shape[-1] * 2.0 ** -24) * bound + 4 * torch.finfo(x.dtype).eps * (logits.abs() + scores.abs())
+            maybe = ((scores >= -margin) & valid).any(0)  # [layers left]: may route a token of the batch
+            sure = ((scores >= margin) & valid).any(0)
+            first = torch.cat([maybe, maybe.new_ones(1)]).int().argmax().view(1)  # the first layer that may route, or past the end
+            certain = torch.cat([sure, sure.new_zeros(1)]).gather(0, first)
+            first, certain = torch.cat([first, certain.long()]).tolist()
+            if i + first >= end:
+                break
+            i += first
+            x, bias = self.layers[i](x, positions, valid, cache, bias, "threshold", routes_one=bool(certain))
+            i += 1
+        return end, x, bias
+
+    def _router_stacks(self, start: int, end: int):
+        """The routers of layers start..end as one fp32 [layers, h] weight, its absolute value and the biases."""
+        weight = torch.cat([self.layers[i].router.weight for i in range(start, end)]).float()
+        router_bias = torch.cat([self.layers[i].router.bias for i in range(start, end)]).float()
+        return weight, weight.abs(), router_bias
 
 
 class XModForCausalLM(XModPreTrainedModel, GenerationMixin):

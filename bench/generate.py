@@ -1,0 +1,274 @@
+"""Prefill and decode speed of the Hugging Face models (megatron_xmod.hf), Dense against MoD and X-MoD
+A4K8 / A3K16 at the same activated depth, with the KV-cache bytes and the host syncs per decoded token.
+
+    .venv/bin/python bench/generate.py                       # CPU: hidden 512, prompts 256 and 2048, batch 1 and 8
+    .venv/bin/python bench/generate.py --device cuda         # the same on a GPU
+    .venv/bin/python bench/generate.py --quick               # seconds: hidden 64, prompt 32, 8 new tokens
+
+The models are built from the X-MoD paper's Table 4 shape at ``--hidden`` (activated depth 28, dense
+prefix 4: Dense 28 layers, MoD 49, X-MoD A4K8 161, A3K16 298) with random weights, and each sparse
+layer's router bias is then set, layer by layer on a calibration prompt, so that the threshold rule
+routes 1/K of the tokens (as a trained router does; a fresh one routes about half). Greedy decoding
+(argmax), the model's own ``XModCache``. Every timed configuration runs the models interleaved
+(model A, B, C, D, then again), medians of ``--repeats``.
+
+"decode before" is the same model with ``XModModel.decode_skips_unrouted = False``: every sparse layer
+runs its router and selection at every step and reads the selection back from the device (the decode
+path before the run-ahead of ``XModModel._decode_sparse_run``).
+
+Writes ``generate_<machine>_<date>.json`` / ``.md`` and ``generate_<machine>_<date>.png`` (decode
+tokens/s against prompt length) under ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the sync counter is a test tool, shared with the tests
+
+MODELS = ("dense", "mod", "xmod-a4k8", "xmod-a3k16")
+
+
+def build_model(name: str, hidden: int, vocab: int, max_positions: int, seed: int = 0, device="cpu",
+                family=None, heads=None):
+    """An HF model of ``name`` (a megatron_xmod model name or a layout notation of ``family``) on the
+    Table 4 shape (activated depth 28, dense prefix 4) at width ``hidden``, random weights."""
+    from megatron_xmod.hf.configuration_xmod import XModHFConfig
+    from megatron_xmod.hf.modeling_xmod import XModForCausalLM
+    from megatron_xmod.xmod.layout import layout_from_model_name
+
+    layout = layout_from_model_name(name, activated_depth=28, dense_prefix=4, family=family)
+    heads = heads or max(1, hidden // 64)
+    config = XModHFConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layout.num_layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=max_positions,
+        routing_family=layout.family, layer_kinds=["sparse" if layer.is_sparse else "dense" for layer in layout.layers],
+        layer_sparsity_k=[layer.sparsity_k for layer in layout.layers], layout=layout.notation)
+    torch.manual_seed(seed)
+    return XModForCausalLM(config).to(device).eval()
+
+
+@torch.no_grad()
+def calibrate_routers(model, tokens: torch.Tensor) -> list[float]:
+    """Set each sparse layer's router bias so that the threshold rule routes 1/K of ``tokens`` there,
+    layer by layer (each layer sees the input the calibrated layers before it produce). Returns the
+    routed fraction per sparse layer on ``tokens`` afterwards."""
+    inner, cfg = model.model, model.config
+    x = inner.embed_tokens(tokens)
+    b, n = tokens.shape
+    positions = torch.arange(n, device=tokens.device).expand(b, n)
+    valid = torch.ones(b, n, dtype=torch.bool, device=tokens.device)
+    bias, fractions = None, []
+    for i, layer in enumerate(inner.layers):
+        carried = bias if cfg.carries_bias(i) else None
+        if layer.sparse:
+            scores = layer.router(x).squeeze(-1).float()
+            if carried is not None:
+                scores = scores - cfg.token_choice_bias_tau * carried
+            layer.router.bias -= torch.quantile(scores.flatten(), 1 - 1 / layer.sparsity_k).to(layer.router.bias.dtype)
+        x, bias = layer(x, positions, valid, None, carried, "threshold")
+        if layer.sparse:
+            new = bias if carried is None else bias - carried
+            fractions.append(float(new.mean()) / cfg.token_choice_bias_increment)
+    return fractions
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def prefill(model, prompt):
+    from megatron_xmod.hf.cache import XModCache
+
+    cache = XModCache(model.config)
+    logits = model(prompt, cache=cache).logits[:, -1]
+    return logits.argmax(-1, keepdim=True), cache
+
+
+@torch.no_grad()
+def decode(model, token, cache, steps: int):
+    """Greedy steps from ``token`` [b, 1]; returns the generated tokens [b, steps]."""
+    out = []
+    for _ in range(steps):
+        token = model(token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+        out.append(token)
+    return torch.cat(out, dim=1)
+
+
+def time_one(model, prompt, new_tokens: int, device):
+    _sync(device)
+    start = time.perf_counter()
+    token, cache = prefill(model, prompt)
+    _sync(device)
+    middle = time.perf_counter()
+    generated = decode(model, token, cache, new_tokens)
+    _sync(device)
+    end = time.perf_counter()
+    return middle - start, end - middle, cache, generated
+
+
+def syncs_per_token(model, prompt, steps: int) -> float:
+    from sync_counter import SyncCounter
+
+    token, cache = prefill(model, prompt)
+    with SyncCounter() as counter:
+        decode(model, token, cache, steps)
+    return counter.count / steps
+
+
+def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device, log=print):
+    vocab = 50304
+    built = {}
+    for name in models:
+        model = build_model(name, hidden, vocab, max(prompt_lengths) + new_tokens + 8, device=device)
+        calibration = torch.randint(0, vocab, (2, min(512, max(prompt_lengths))),
+                                    generator=torch.Generator().manual_seed(1)).to(device)
+        fractions = calibrate_routers(model, calibration)
+        built[name] = (model, fractions)
+        log(f"[generate] built {name}: {model.config.num_hidden_layers} layers"
+            + (f", routed fraction after calibration {statistics.mean(fractions):.3f}" if fractions else ""))
+    rows = []
+    for batch in batches:
+        for length in prompt_lengths:
+            prompt = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(2)).to(device)
+            times = {(name, path): ([], []) for name in models for path in ("after", "before")}
+            outputs = {}
+            for _ in range(repeats):
+                for name in models:  # interleaved
+                    model = built[name][0]
+                    for path in ("after", "before") if name != "dense" else ("after",):
+                        model.model.decode_skips_unrouted = path == "after"
+                        pre, dec, cache, generated = time_one(model, prompt, new_tokens, device)
+                        times[name, path][0].append(pre)
+                        times[name, path][1].append(dec)
+                        outputs[name, path] = (cache, generated)
+                    model.model.decode_skips_unrouted = True
+            for name in models:
+                model, fractions = built[name]
+                cache, generated = outputs[name, "after"]
+                pre, dec = (statistics.median(t) for t in times[name, "after"])
+                row = dict(model=name, layers=model.config.num_hidden_layers, batch=batch, prompt=length,
+                           new_tokens=new_tokens, prefill_tok_s=batch * length / pre, decode_tok_s=batch * new_tokens / dec,
+                           kv_cache_bytes=cache.nbytes()["total"],
+                           syncs_per_token=syncs_per_token(model, prompt, min(8, new_tokens)),
+                           routed_fraction=statistics.mean(fractions) if fractions else 1.0)
+                if name != "dense":
+                    _, before_cache_generated = outputs[name, "before"]
+                    row["same_tokens_as_before"] = bool(torch.equal(before_cache_generated, generated))
+                    row["decode_tok_s_before"] = batch * new_tokens / statistics.median(times[name, "before"][1])
+                    model.model.decode_skips_unrouted = False
+                    row["syncs_per_token_before"] = syncs_per_token(model, prompt, min(8, new_tokens))
+                    model.model.decode_skips_unrouted = True
+                rows.append(row)
+                log(f"[generate] batch {batch} prompt {length} {name}: prefill {row['prefill_tok_s']:.0f} tok/s, "
+                    f"decode {row['decode_tok_s']:.1f} tok/s, {row['syncs_per_token']:.1f} syncs/token")
+    dense = {(r["batch"], r["prompt"]): r for r in rows if r["model"] == "dense"}
+    for r in rows:
+        d = dense.get((r["batch"], r["prompt"]))
+        if d is not None:
+            r["prefill_vs_dense"] = r["prefill_tok_s"] / d["prefill_tok_s"]
+            r["decode_vs_dense"] = r["decode_tok_s"] / d["decode_tok_s"]
+            if "decode_tok_s_before" in r:
+                r["decode_before_vs_dense"] = r["decode_tok_s_before"] / d["decode_tok_s"]
+    return rows
+
+
+def machine_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or "cpu"
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def render_markdown(meta, rows) -> str:
+    out = [f"# Generation speed ({meta['date']})", "",
+           f"- machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; {meta['dtype']}",
+           f"- hidden {meta['hidden']}, greedy, {meta['new_tokens']} new tokens, median of {meta['repeats']} interleaved "
+           f"runs; routers calibrated to route 1/K (see the script's docstring)",
+           f"- load average before/after (1/5/15 min): {meta['loadavg_start']} / {meta['loadavg']}", "",
+           "| batch | prompt | model | layers | prefill tok/s | vs Dense | decode tok/s | vs Dense | decode before | "
+           "before vs Dense | syncs/token (before) | KV cache KiB |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        before = (f"{r['decode_tok_s_before']:.1f} | {r['decode_before_vs_dense']:.2f}" if "decode_tok_s_before" in r
+                  else "- | -")
+        syncs = f"{r['syncs_per_token']:.1f}" + (f" ({r['syncs_per_token_before']:.1f})" if "syncs_per_token_before" in r
+                                                 else "")
+        out.append(f"| {r['batch']} | {r['prompt']} | {r['model']} | {r['layers']} | {r['prefill_tok_s']:.0f} | "
+                   f"{r.get('prefill_vs_dense', 1):.2f} | {r['decode_tok_s']:.1f} | {r.get('decode_vs_dense', 1):.2f} | "
+                   f"{before} | {syncs} | {r['kv_cache_bytes'] / 1024:.0f} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for name in dict.fromkeys(r["model"] for r in rows):
+            pts = sorted((r["prompt"], r["decode_tok_s"]) for r in rows if r["model"] == name and r["batch"] == batch)
+            ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"batch {batch}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--models", nargs="+", default=list(MODELS))
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--prompts", type=int, nargs="+", default=[256, 2048])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="hidden 64, prompt 32, batch 1 and 2, 8 new tokens, 1 repeat")
+    p.add_argument("--out", default=str(REPO / "bench" / "results"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.hidden, args.prompts, args.batches, args.new_tokens, args.repeats = 64, [32], [1, 2], 8, 1
+    device = torch.device(args.device)
+    loadavg_start = [round(v, 2) for v in os.getloadavg()]
+    rows = measure(args.models, args.prompts, args.batches, args.new_tokens, args.repeats, args.hidden, device)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    meta = dict(date=datetime.date.today().isoformat(), machine=machine_name(device), commit=commit,
+                torch=torch.__version__, dtype="fp32", hidden=args.hidden, new_tokens=args.new_tokens,
+                repeats=args.repeats, loadavg_start=loadavg_start, loadavg=[round(v, 2) for v in os.getloadavg()])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"generate_{device.type}_{meta['date'].replace('-', '')}" + ("_quick" if args.quick else "")
+    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    (out / f"{stem}.md").write_text(render_markdown(meta, rows))
+    plot(rows, out / f"{stem}.png")
+    print(render_markdown(meta, rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Issue 22: the decode path of the HF model pays only for the sparse layers that route a new token.
+
+Models here are HF models with random weights whose routers are calibrated (bench/generate.py) so that
+the threshold rule routes 1/K of the tokens, on layouts with long runs of sparse layers (where the
+decode path skips most layers), X-MoD and MoD. The reference is the same model without the cache:
+one full-sequence pass per generated token.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from generate import build_model, calibrate_routers, decode, prefill  # noqa: E402
+from sync_counter import SyncCounter  # noqa: E402
+
+from megatron_xmod.hf.cache import XModCache  # noqa: E402
+
+VOCAB, PAD = 96, 95
+LAYOUT = "D + (S4*6 + D)*2"  # two runs of six sparse layers
+
+
+def routed_model(family="xmod", layout=LAYOUT, seed=0):
+    model = build_model(layout, hidden=64, vocab=VOCAB, max_positions=128, seed=seed, family=family, heads=4)
+    fractions = calibrate_routers(model, torch.randint(0, PAD, (2, 64), generator=torch.Generator().manual_seed(seed)))
+    assert all(0.1 < f < 0.45 for f in fractions), fractions  # about 1/K = 0.25 routed: routing is mixed
+    return model
+
+
+def prompt(batch=1, length=12, seed=1):
+    return torch.randint(0, PAD, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def recomputed(model, tokens, steps):
+    """Greedy tokens and each step's logits, from a full pass over the whole text per step (no cache)."""
+    logits = []
+    for _ in range(steps):
+        last = model(tokens, use_cache=False).logits[:, -1]
+        logits.append(last)
+        tokens = torch.cat([tokens, last.argmax(-1, keepdim=True)], dim=1)
+    return tokens, torch.stack(logits, 1)
+
+
+@torch.no_grad()
+def cached(model, tokens, steps):
+    cache = XModCache(model.config)
+    logits = [model(tokens, cache=cache).logits[:, -1]]
+    for _ in range(steps - 1):
+        tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+        logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])
+    tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+    return tokens, torch.stack(logits, 1), cache
+
+
+@pytest.mark.parametrize("family", ["xmod", "mod"])
+def test_decoding_that_skips_layers_equals_recomputation(family):
+    model = routed_model(family)
+    start = prompt()
+    want_tokens, want_logits = recomputed(model, start, 12)
+    tokens, logits, cache = cached(model, start, 12)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
+    one_pass = XModCache(model.config)
+    with torch.no_grad():
+        model(tokens[:, :-1], cache=one_pass)
+    assert cache.entries() == one_pass.entries()  # batch 1: exactly the entries one pass routes
+
+
+def test_left_padded_batch_decodes_as_each_prompt_alone():
+    model = routed_model()
+    prompts = [prompt(1, 9, seed=5)[0], prompt(1, 4, seed=6)[0], prompt(1, 6, seed=7)[0]]
+    width = max(len(p) for p in prompts)
+    batch = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for row, p in enumerate(prompts):
+        batch[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    together = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    for row, p in enumerate(prompts):
+        alone, _ = recomputed(model, p[None], 8)
+        assert torch.equal(together[row, width:], alone[0, len(p):]), row
+
+
+def _routers_run_per_step(model, steps):
+    calls = []
+    hooks = [layer.router.register_forward_hook(lambda *_: calls.append(1))
+             for layer in model.model.layers if layer.sparse]
+    try:
+        token, cache = prefill(model, prompt())
+        calls.clear()
+        with SyncCounter() as syncs:
+            decode(model, token, cache, steps)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return len(calls) / steps, syncs.count / steps
+
+
+def test_decode_runs_the_routers_of_the_layers_that_route_only():
+    """Before: every sparse layer ran its router, its selection and one device read at every step
+    (12 routers and 12 syncs per token here)."""
+    model = routed_model()
+    sparse = sum(layer.sparse for layer in model.model.layers)
+    runs = len(model.model.sparse_runs())
+    routers, syncs = _routers_run_per_step(model, 16)
+    # A step runs the router of each layer that routes its token (1/K = 1/4 of them, ~3 of 12) and
+    # reads the device once per run plus once per such layer.
+    assert routers < sparse / 2, routers
+    assert syncs <= runs + routers + 0.5, (syncs, runs, routers)
+    model.model.decode_skips_unrouted = False  # every layer's own routing at every step (the path before)
+    assert _routers_run_per_step(model, 16) == (sparse, sparse)
+
+
+def test_a_layer_whose_score_is_within_rounding_of_zero_takes_its_own_decision():
+    """The run-ahead's matmul may differ from the layer's router in the last bits: a layer scored that
+    close to 0 is decided by its own router, as decoding without the run-ahead decides it. (At a
+    score that close to 0 a full-sequence pass, whose router sums in another order too, may decide
+    either way, so the reference here is the decode path that runs every layer's own routing.)"""
+    model = routed_model(seed=3)
+    start = prompt(seed=4)
+    layers = [layer for layer in model.model.layers if layer.sparse]
+    with torch.no_grad():  # put the first sparse layer's score of the first decoded token at 0
+        text = recomputed(model, start, 1)[0]  # the prompt and the first decoded token
+        n = text.shape[1]
+        x, _ = model.model.layers[0](model.model.embed_tokens(text), torch.arange(n)[None],
+                                     torch.ones(1, n, dtype=torch.bool))  # the input of the first sparse layer
+        layers[0].router.bias -= layers[0].router(x[:, -1:]).flatten()
+    model.model.decode_skips_unrouted = False
+    want_tokens, want_logits, _ = cached(model, start, 6)
+    model.model.decode_skips_unrouted = True
+    runs = []
+    hook = layers[0].register_forward_pre_hook(lambda module, args, kwargs: runs.append(kwargs.get("routes_one")),
+                                               with_kwargs=True)
+    tokens, logits, _ = cached(model, start, 6)
+    hook.remove()
+    assert runs[1] is False  # the first decode step: the layer's own routing, its count read back
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
