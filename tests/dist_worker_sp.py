@@ -11,7 +11,7 @@ threshold), and the eval loss.
 
 Usage: syncs <steps> (tests/test_host_syncs.py): TP2 with sequence parallelism only, X-MoD and MoD; every
 rank counts the host syncs (tests/sync_counter.py) of each training step's forward and backward, and of an
-evaluation forward under the threshold rule and under top-k, and prints one ``SYNCS {json}`` line.
+evaluation forward under the threshold rule and under top-k; rank 0 prints one ``SYNCS [json per rank]`` line.
 """
 import hashlib
 import json
@@ -161,8 +161,11 @@ def main_syncs(steps: int) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
-    result = {family: _count_syncs(family, steps) for family in ("xmod", "mod")}
-    print("SYNCS " + json.dumps(dict(rank=rank, **result)), flush=True)
+    result = dict(rank=rank, **{family: _count_syncs(family, steps) for family in ("xmod", "mod")})
+    ranks = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, result)
+    if rank == 0:
+        print("SYNCS " + json.dumps(ranks), flush=True)
     torch.distributed.destroy_process_group()
 
 
