@@ -16,6 +16,9 @@ device:
 - ``Tensor.tolist()`` and ``Tensor.numpy()``: they read the data directly in C++ without a dispatched op
   (on a device tensor they first copy it to the host), so the function mode counts them.
 
+Not counted: ``x[mask] = scalar`` (aten runs it as ``masked_fill_``), and megatron's RNG tracker
+comparing the CPU generator's state in ``fork`` (host tensors on a GPU too).
+
 On CPU, where the tests run, every tensor is a host tensor: a device -> host copy cannot occur and
 ``.cpu()`` of a CPU tensor is no sync; ``.item()`` still shows up as ``_local_scalar_dense`` and the
 value-dependent shapes as their ops, and ``.tolist()`` / ``.numpy()`` are counted whatever the

@@ -70,6 +70,32 @@ def _eval_syncs(model, rule) -> SyncCounter:
     return syncs
 
 
+def test_the_counter_counts_each_kind():
+    x, mask = torch.arange(6.0), torch.arange(6) % 2 == 0
+    repeats = torch.tensor([1, 2, 0, 1, 1, 1])
+    expected = {
+        "_local_scalar_dense": lambda: (x.sum().item(), float(x[0]), bool(mask.any())),
+        "nonzero": lambda: (mask.nonzero(), torch.where(mask)),
+        "masked_select": lambda: x.masked_select(mask),
+        "_unique2": lambda: torch.unique(x),
+        "repeat_interleave without output_size": lambda: x.repeat_interleave(repeats),
+        "index with a boolean mask": lambda: x[mask],
+        "index_put_ with a boolean mask": lambda: x.clone().__setitem__(mask, x[:3] * 0),
+        "Tensor.tolist()": lambda: x.tolist(),
+    }
+    for op, run in expected.items():
+        with SyncCounter() as syncs:
+            run()
+        assert {hit.op for hit in syncs.hits} == {op}, (op, syncs.summary())
+    with SyncCounter() as syncs:  # static shapes, and what aten runs as masked_fill_
+        x.repeat_interleave(repeats, output_size=6)
+        x.clone()[mask] = 0.0
+        torch.where(mask, x, -0.0)
+        x.cpu()
+        x.index_select(0, repeats)
+    assert syncs.count == 0, syncs.summary()
+
+
 MODES = {
     "xmod": dict(),  # router BCE on (default 1e-4), token-choice bias tau 0.5
     "mod": dict(xmod_routing_family="mod"),
