@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from megatron_xmod.cpu_shim import cpu_patches  # noqa: E402
 
-SEQ, BATCH, LAYOUT = 32, 2, "D + (S4*2 + D)"
+SEQ, BATCH, LAYOUT = 32, 2, "D + (S4 + S2 + S4 + D)"  # S2: k = L/2 is every row of a TP2 shard
 
 
 def _build(family, tp, full_state=None):

@@ -279,11 +279,14 @@ class XModSparseLayer(TransformerLayer):
         positions that another rank holds point at row 0 of their sequence instead: the chain
         (routing_state.RouterInputChain) reads every listed row from this layer's output and copies it
         back into the rebuilt input, so a row listed twice, or one the layer did not change, gets its
-        own current value: exact. The cost is k*b rows per layer on every rank instead of this rank's
-        share. Threshold routing (evaluation with autograd on) lists the selected rows themselves."""
+        own current value: exact. The cost is min(k, s/T)*b rows per layer on every rank instead of this
+        rank's share (when k >= s/T, all of its rows). Threshold routing (evaluation with autograd on)
+        lists the selected rows themselves."""
         indices = decision.topk_indices
         if indices is None:
             return decision.selected[self._local_rows(local_len)].reshape(-1).nonzero().squeeze(1)
+        if self.config.sequence_parallel and indices.shape[0] >= local_len:
+            return torch.arange(local_len * indices.shape[1], device=indices.device)
         if self.config.sequence_parallel:
             local = indices - self.tp_group.rank() * local_len
             indices = torch.where((local >= 0) & (local < local_len), local, 0)
