@@ -1,5 +1,5 @@
-"""torchrun worker for test_sequence_parallel.py (not collected: no test_ prefix), 2 gloo processes.
-Usage: <family> <steps>
+"""torchrun worker for test_sequence_parallel.py and test_host_syncs.py (not collected: no test_ prefix),
+2 gloo processes. Usage: <family> <steps>
 
 Trains the same tiny routed model twice from the same weights on the same batches: first at TP1 (the
 two processes are data-parallel replicas with identical data), then at TP2 with sequence parallelism
@@ -8,6 +8,10 @@ finalize_model_grads. The local spec's norms run under sequence parallelism thro
 (megatron_xmod.training.patches, part of cpu_patches). Rank 0 prints one JSON line per run: the
 losses, the routed sets of every sparse layer at every step (training top-k, then evaluation
 threshold), and the eval loss.
+
+Usage: syncs <steps> (tests/test_host_syncs.py): TP2 with sequence parallelism only, X-MoD and MoD; every
+rank counts the host syncs (tests/sync_counter.py) of each training step's forward and backward, and of an
+evaluation forward under the threshold rule and under top-k; rank 0 prints one ``SYNCS [json per rank]`` line.
 """
 import hashlib
 import json
@@ -19,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from megatron_xmod.cpu_shim import cpu_patches  # noqa: E402
 
-SEQ, BATCH, LAYOUT = 32, 2, "D + (S4*2 + D)"
+SEQ, BATCH, LAYOUT = 32, 2, "D + (S4 + S2 + S4 + D)"  # S2: k = L/2 is every row of a TP2 shard
 
 
 def _build(family, tp, full_state=None):
@@ -115,6 +119,59 @@ def main(family: str, steps: int) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _count_syncs(family, steps):
+    from sync_counter import SyncCounter
+
+    from megatron_xmod.model import sparse_layers
+    from megatron_xmod.xmod.routing_state import eval_routing
+
+    ddp, model = _build(family, 2)
+    with torch.no_grad():
+        for layer in sparse_layers(model):
+            layer.router.weight.mul_(20.0)
+    g = torch.Generator().manual_seed(7)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    out = dict(train=[], sparse_layers=len(sparse_layers(model)))
+    model.train()
+    for _ in range(steps):
+        tokens = torch.randint(0, 256, (BATCH, SEQ), generator=g)
+        ddp.zero_grad_buffer()
+        with SyncCounter() as syncs:
+            loss = model(tokens, positions, None, labels=tokens).float().mean()
+            loss.backward()
+        out["train"].append([str(hit) for hit in syncs.hits])
+    model.eval()
+    for rule in ("threshold", "topk"):
+        tokens = torch.randint(0, 256, (BATCH, SEQ), generator=g)
+        with torch.no_grad(), eval_routing(model, rule), SyncCounter() as syncs:
+            model(tokens, positions, None, labels=tokens)
+        out["eval_" + rule] = [str(hit) for hit in syncs.hits]
+    return out
+
+
+def main_syncs(steps: int) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    # The permutation ops' index checks read the indices back on CPU tensors only (megatron_xmod.xmod.permute):
+    # off, as they are on a GPU, so that the counts are a GPU run's.
+    os.environ["XMOD_PERMUTE_CHECK"] = "0"
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    result = dict(rank=rank, **{family: _count_syncs(family, steps) for family in ("xmod", "mod")})
+    ranks = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, result)
+    if rank == 0:
+        print("SYNCS " + json.dumps(ranks), flush=True)
+    torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     with cpu_patches(training=False):  # megatron-core on CPU, as tests/conftest.py
-        main(sys.argv[1], int(sys.argv[2]))
+        if sys.argv[1] == "syncs":
+            main_syncs(int(sys.argv[2]))
+        else:
+            main(sys.argv[1], int(sys.argv[2]))

@@ -73,7 +73,7 @@ def test_tp2_sequence_parallel_equals_tp1(family):
     assert len(tp1["losses"]) == STEPS
     assert tp2["losses"] == pytest.approx(tp1["losses"], rel=1e-5)
     assert tp1["losses"][-1] < tp1["losses"][0]  # it trained
-    # routed sets: 2 sparse layers per training step, then the evaluation's threshold routing
-    assert len(tp1["routed"]) == 2 * STEPS + 2
+    # routed sets: 3 sparse layers per training step, then the evaluation's threshold routing
+    assert len(tp1["routed"]) == 3 * STEPS + 3
     assert tp2["routed"] == tp1["routed"]
     assert tp2["eval_loss"] == pytest.approx(tp1["eval_loss"], rel=1e-5)

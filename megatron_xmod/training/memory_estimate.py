@@ -22,7 +22,9 @@ norm / softmax statistics, router scores and indices at their own (fp32 / int64)
   routing map, top-k indices; about 8E + 20k bytes a token for megatron's TopKRouter, 12E with the
   fixed routing normalisation, 37E for the DTop-p router) and the dispatcher's indices (8E alltoall,
   5E allgather). The DTop-p controller state (a few scalars a layer) is left out;
-- tensor parallel t divides a, g, f terms; sequence parallelism also the h terms. Expert parallelism
+- tensor parallel t divides a, g, f terms; sequence parallelism also the h terms, except the
+  router-input chain's rows of a routed layer, which every rank keeps for all routed tokens (at
+  most its own L/t). Expert parallelism
   (EP) splits the routed experts' weights, gradients and optimizer state over EP ranks, expert tensor
   parallelism (ETP, megatron's default: TP) their FFN; ETP all-gathers the dispatched tokens (each
   rank holds T_r k ETP copies of width h, T_r = its local tokens), so ETP divides only the d_e terms.
@@ -174,8 +176,12 @@ def routed_layer_bytes(b: Backbone, seq_tokens: int, sparsity_k: int, family: st
     """Bytes a routed layer saves (inside a chain, without the block's base), ``seq_tokens`` = L x b."""
     routed = seq_tokens / sparsity_k
     h_split = tp if sp else 1
-    extra_per_routed = 2 * b.hidden_size * e / h_split + 3 * 8 + (3 if family == "xmod" else 2) * 4
-    return dense_layer_bytes(b, routed, e, tp, sp, recompute) + routed * extra_per_routed + seq_tokens * 3 * 4
+    # the chain's rows: under sequence parallelism every rank keeps all routed rows (a static shape, no
+    # host sync), at most all of its own
+    chain_rows = min(routed, seq_tokens / h_split)
+    extra_per_routed = b.hidden_size * e / h_split + 3 * 8 + (3 if family == "xmod" else 2) * 4  # + gated update
+    return (dense_layer_bytes(b, routed, e, tp, sp, recompute) + routed * extra_per_routed + chain_rows * b.hidden_size * e
+            + seq_tokens * 3 * 4)
 
 
 def block_base_bytes(b: Backbone, seq_tokens: int, e: int = 4, tp: int = 1, sp: bool = False) -> float:

@@ -9,7 +9,8 @@ Non-finite router logits: the sparse layers and the DTop-p router count them on 
 (``nonfinite_router_logits`` in the routing state, no host sync per layer). The forward step takes
 the micro-batch's counts and a non-zero one makes the loss NaN, so megatron's NaN handling
 (``--check-for-nan-in-loss-and-grad``, on by default) counts and stops the iteration, and the
-message names the layer. Routing on NaN logits would otherwise go unnoticed: top-k picks the NaN
+message names the layer. The counts are read from the device only when the loss is NaN (megatron's
+check reads the loss anyway), so a micro-batch costs no host read beyond megatron's own. Routing on NaN logits would otherwise go unnoticed: top-k picks the NaN
 positions, the threshold rule routes no token and the layer is silently skipped.
 """
 from __future__ import annotations
@@ -86,18 +87,15 @@ def loss_func(loss_mask: torch.Tensor, router_bce: Optional[torch.Tensor], topk_
         losses = output_tensor.float().view(-1)
         loss = torch.sum(losses * mask)
         lm_sum = loss.detach()
-    message = None
     if nonfinite is not None:
         layers, counts = nonfinite
         poison = torch.where(counts.sum() > 0, float("nan"), 0.0).to(loss.dtype)  # on the device
         loss, lm_sum = loss + poison, lm_sum + poison
         check, in_megatron = _nan_check()
-        if check:  # megatron syncs on the loss for its NaN check anyway: one host read per micro-batch
-            message = nonfinite_message(layers, counts.tolist())
-            if message is not None:
-                print(f"[xmod] {message}", flush=True)
-            if in_megatron:
-                _validate_loss(loss, message)
+        if check and in_megatron:
+            _validate_loss(loss, _NonfiniteReport(layers, counts))
+        elif check:  # outside megatron's training loop (tests, tools): read the counts now
+            _NonfiniteReport(layers, counts).announce()
     reports = {"lm loss": torch.cat([lm_sum.view(1), num_tokens.view(1)])}
     if z_report is not None:
         reports["lm z loss"] = z_report
@@ -109,13 +107,70 @@ def loss_func(loss_mask: torch.Tensor, router_bce: Optional[torch.Tensor], topk_
     return loss, num_tokens, reports
 
 
-def _validate_loss(loss: torch.Tensor, message: Optional[str]) -> None:
-    """megatron's NaN/Inf check of the local loss, as Megatron-LM's pretrain_gpt.py loss_func makes it."""
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
+NAN_LOSS = "found NaN in local forward loss calculation"
+
+
+class _NonfiniteMessage(str):
+    """megatron's message for the NaN check of a routed model's loss: equal to (and hashed as) its default
+    message, so that megatron's rerun machine keys the check the same in every micro-batch, run and
+    rerun; formatted (which megatron does only when it rejects the loss, or in its end-of-run
+    determinism report) it names the layers with non-finite router logits, reading their counts then."""
+
+    def __new__(cls, report: _NonfiniteReport):
+        message = super().__new__(cls, NAN_LOSS)
+        message.report = report
+        return message
+
+    def __str__(self) -> str:
+        return self.report.message() or NAN_LOSS
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+class _NonfiniteReport:
+    """The non-finite router-logit counts of one micro-batch, read from the device only when needed:
+    when megatron's NaN check finds the loss NaN (the check reads the loss anyway), or outside megatron."""
+
+    def __init__(self, layers: list[int], counts: torch.Tensor):
+        self.layers, self.counts = layers, counts
+        self._message: Optional[str] = None
+        self._read = self._announced = False
+
+    def message(self) -> Optional[str]:
+        if not self._read:
+            self._message, self._read = nonfinite_message(self.layers, self.counts.tolist()), True
+        return self._message
+
+    def announce(self) -> None:
+        if not self._announced and self.message() is not None:
+            self._announced = True
+            print(f"[xmod] {self._message}", flush=True)
+
+    def rejects(self, loss: torch.Tensor) -> bool:
+        """megatron's rejection test (torch.isnan), read here so that the counts follow only on a NaN."""
+        rejected = bool(torch.isnan(loss))  # the host read megatron's check makes of every loss it validates
+        if rejected:
+            self.announce()
+        return rejected
+
+
+def _validate_loss(loss: torch.Tensor, report: Optional[_NonfiniteReport] = None) -> None:
+    """megatron's NaN/Inf check of the local loss, as Megatron-LM's pretrain_gpt.py loss_func makes it.
+
+    With ``report``: the counts of non-finite router logits are read only when the loss is NaN, so a
+    micro-batch costs no host read beyond megatron's own. megatron skips the check in the first iteration
+    after a start (rerun_state_machine.py: first_iteration_complete); there the counts are read as before,
+    so that a NaN there is still named (its update reaches the weights, the check fires at the next one)."""
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 
     machine = get_rerun_state_machine()
-    machine.validate_result(result=loss, rejection_func=torch.isnan, tolerance=0.0, fatal=True,
-                            message=message or "found NaN in local forward loss calculation")
+    rejection, message = torch.isnan, NAN_LOSS
+    if report is not None:
+        rejection, message = report.rejects, _NonfiniteMessage(report)
+        if machine.mode != RerunMode.DISABLED and not machine.first_iteration_complete:
+            report.announce()
+    machine.validate_result(result=loss, rejection_func=rejection, tolerance=0.0, fatal=True, message=message)
     machine.validate_result(result=loss, rejection_func=torch.isinf, tolerance=0.0, fatal=True,
                             message="found Inf in local forward loss calculation")
 

@@ -273,10 +273,24 @@ class XModSparseLayer(TransformerLayer):
         return slice(start, start + local_len)
 
     def _written_rows(self, decision, local_len: int) -> torch.Tensor:
-        """Flat rows ([s*b, h] view) of this rank's slice that the layer may have changed."""
-        if decision.topk_indices is not None and not self.config.sequence_parallel:
-            return flat_rows(decision.topk_indices, decision.topk_indices.shape[1])
-        return decision.selected[self._local_rows(local_len)].reshape(-1).nonzero().squeeze(1)
+        """Flat rows ([s*b, h] view) of this rank's slice that the layer may have changed.
+
+        Top-k (training): a static [k*b] index, no host sync. Under sequence parallelism the routed
+        positions that another rank holds point at row 0 of their sequence instead: the chain
+        (routing_state.RouterInputChain) reads every listed row from this layer's output and copies it
+        back into the rebuilt input, so a row listed twice, or one the layer did not change, gets its
+        own current value: exact. The cost is min(k, s/T)*b rows per layer on every rank instead of this
+        rank's share (when k >= s/T, all of its rows). Threshold routing (evaluation with autograd on)
+        lists the selected rows themselves."""
+        indices = decision.topk_indices
+        if indices is None:
+            return decision.selected[self._local_rows(local_len)].reshape(-1).nonzero().squeeze(1)
+        if self.config.sequence_parallel and indices.shape[0] >= local_len:
+            return torch.arange(local_len * indices.shape[1], device=indices.device)
+        if self.config.sequence_parallel:
+            local = indices - self.tp_group.rank() * local_len
+            indices = torch.where((local >= 0) & (local < local_len), local, 0)
+        return flat_rows(indices, indices.shape[1])
 
     def _gate_scale(self):
         return getattr(self, "gate_scale", None)  # varsigma of Eq.(7); MoD has none
@@ -285,7 +299,7 @@ class XModSparseLayer(TransformerLayer):
         """x with the routed tokens ``indices`` updated; ``gate``: their sigmoid(score), when the routing
         step computed it already (top-k training)."""
         if self.config.sequence_parallel:
-            return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid)
+            return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid, gate)
         routed = gather_tokens(hidden_states, indices)
         attention_mask = _padding_mask(valid)
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
@@ -296,14 +310,16 @@ class XModSparseLayer(TransformerLayer):
         delta, gate = gated_residual(self.routing.family, attention, mlp, r, self._gate_scale(), keep)
         return scatter_gated(hidden_states, delta, gate, indices)
 
-    def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None):
+    def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None):
         """Sequence parallel: ``hidden_states`` is this rank's slice [s/T, b, h] of the sequence and
         ``indices`` [k, b] are positions in the whole sequence (the same on every rank). The routed
         subsequence, padded to a multiple of T at its end (causal attention keeps real tokens from
         seeing the padding), is split across the ranks like any sequence-parallel activation: each rank
         contributes the routed tokens it holds (reduce-scatter), attention and MLP run in megatron's
         sequence-parallel pattern, and the gated updates are all-gathered so that every rank adds those
-        of its own tokens."""
+        of its own tokens. Static shapes, no host sync: every rank adds all k*b gathered updates, those
+        of tokens it does not hold replaced by -0.0 and sent to row 0 of their sequence.
+        ``gate``: the routing step's sigmoid(score) of the routed tokens ([k, b]), when it has one."""
         group = self.tp_group
         shards, rank = group.size(), group.rank()
         local_len, batch, hidden = hidden_states.shape
@@ -322,14 +338,15 @@ class XModSparseLayer(TransformerLayer):
         attention_mask = None if valid is None else _padding_mask(real)  # end padding: causal suffices
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
         part = slice(rank * routed.shape[0], (rank + 1) * routed.shape[0])
-        r = torch.sigmoid(torch.gather(scores, 0, indices[part])).to(hidden_states.dtype)
+        r = (torch.sigmoid(torch.gather(scores, 0, indices[part])) if gate is None else
+             torch.cat([gate, gate.new_zeros(pad, batch)])[part]).to(hidden_states.dtype)
         keep = real[part].to(r.dtype)
         delta, gate = gated_residual(self.routing.family, attention, mlp, r, self._gate_scale(), keep)
         update = gate.unsqueeze(-1).to(delta.dtype) * delta  # as scatter_gated applies it
         update = gather_from_sequence_parallel_region(update, tensor_parallel_output_grad=True, group=group)
-        flat_mine = mine.reshape(-1).nonzero().squeeze(1)
-        destination = flat_rows(local, batch)[flat_mine]
-        output = hidden_states.reshape(-1, hidden).index_add(0, destination, update.reshape(-1, hidden)[flat_mine])
+        # Others' tokens and the end padding add -0.0: x + (-0.0) is x bit for bit (also for x = +-0.0).
+        update = torch.where(mine.unsqueeze(-1), update, -0.0)
+        output = hidden_states.reshape(-1, hidden).index_add(0, flat_rows(local, batch), update.reshape(-1, hidden))
         return output.view_as(hidden_states)
 
     def _attention_and_mlp(self, x, rotary_pos_emb, attention_mask=None):
