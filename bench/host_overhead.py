@@ -84,7 +84,9 @@ def build_layers(device, seq_len, batch, hidden_size=64):
 
 
 def time_layer(layer, hidden, rope, device, before=None, calls=50, repeats=5) -> dict:
-    """Median over ``repeats`` of the mean host time (us) of one forward and one backward call."""
+    """Host time (us) of one forward and one backward call: the mean over ``calls`` calls, median
+    (and best) of ``repeats``; wall clock, and this process's CPU time (``time.process_time``,
+    which leaves out the waits for other processes on a shared machine)."""
     grad = torch.randn_like(hidden)
     layer.train()
     for _ in range(3):  # warm-up
@@ -92,25 +94,34 @@ def time_layer(layer, hidden, rope, device, before=None, calls=50, repeats=5) ->
             before()
         out, _ = layer(hidden.detach().requires_grad_(True), attention_mask=None, rotary_pos_emb=rope)
         out.backward(grad)
-    forward, backward = [], []
+    wall = {"forward": [], "backward": []}
+    cpu = {"forward": [], "backward": []}
     for _ in range(repeats):
         inputs = [hidden.detach().clone().requires_grad_(True) for _ in range(calls)]
         throughput._sync(device)
-        fwd = bwd = 0.0
+        sums = dict.fromkeys(("fw", "bw", "fc", "bc"), 0.0)
         for x in inputs:
             if before:
                 before()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out, _ = layer(x, attention_mask=None, rotary_pos_emb=rope)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             out.backward(grad)
-            t2 = time.perf_counter()
-            fwd, bwd = fwd + t1 - t0, bwd + t2 - t1
+            t2, c2 = time.perf_counter(), time.process_time()
+            sums["fw"] += t1 - t0
+            sums["bw"] += t2 - t1
+            sums["fc"] += c1 - c0
+            sums["bc"] += c2 - c1
         throughput._sync(device)
-        forward.append(fwd / calls * 1e6)
-        backward.append(bwd / calls * 1e6)
-    return dict(forward_us=statistics.median(forward), backward_us=statistics.median(backward),
-                forward_us_all=forward, backward_us_all=backward)
+        wall["forward"].append(sums["fw"] / calls * 1e6)
+        wall["backward"].append(sums["bw"] / calls * 1e6)
+        cpu["forward"].append(sums["fc"] / calls * 1e6)
+        cpu["backward"].append(sums["bc"] / calls * 1e6)
+    out = {}
+    for phase in ("forward", "backward"):
+        out.update({f"{phase}_us": statistics.median(wall[phase]), f"{phase}_best_us": min(wall[phase]),
+                    f"{phase}_cpu_us": statistics.median(cpu[phase]), f"{phase}_us_all": wall[phase]})
+    return out
 
 
 def measure_layers(device, seq_len=128, batch=1, hidden_size=64, calls=50, repeats=5) -> list[dict]:
@@ -311,12 +322,15 @@ def render_markdown(meta, layers, steps, model_rows, graphs, profiled) -> str:
            f"- layers: h={meta['hidden_size']}, L={meta['seq_len']}, b=1; {meta['calls']} calls, median of "
            f"{meta['repeats']} repeats; routing path {meta['path']}", "",
            "## Host time per layer call", "",
-           "| layer | forward us | launches | backward us | launches | us per launch |",
+           "| layer | forward us (best, CPU time) | launches | backward us (best, CPU time) | launches | us per launch |",
            "|---|---:|---:|---:|---:|---:|"]
     for r in layers:
-        out.append(f"| {r['layer']} | {r['forward_us']:.0f} | {r['forward_launches']} | {r['backward_us']:.0f} | "
-                   f"{r['backward_launches']} | {r['us_per_launch']:.1f} |")
-    out += ["", f"All three layers: {meta['us_per_launch']:.1f} us per launch.", "",
+        out.append(f"| {r['layer']} | {r['forward_us']:.0f} ({r['forward_best_us']:.0f}, {r['forward_cpu_us']:.0f}) | "
+                   f"{r['forward_launches']} | {r['backward_us']:.0f} ({r['backward_best_us']:.0f}, "
+                   f"{r['backward_cpu_us']:.0f}) | {r['backward_launches']} | {r['us_per_launch']:.1f} |")
+    out += ["", f"All three layers: {meta['us_per_launch']:.1f} us per launch (wall, median; the step model's "
+            "host cost per eager launch). Best: the fastest repeat; CPU time: this process's, without the waits "
+            "for other processes.", "",
             f"## Whole training step at h={meta['hidden_size']}, L={meta['seq_len']}, activated depth "
             f"{meta['activated_depth']} (one micro-batch; models interleaved)", "",
             "| model | layers | fwd+bwd ms | optimizer ms | fwd+bwd us per layer | sum of its layers' calls ms |",
@@ -396,34 +410,46 @@ def main(argv=None) -> int:
                         ffn_hidden_size=3 * a.hidden_size, num_layers=a.activated_depth, vocab_size=256,
                         rotary_base=10000)
     loadavg_start = throughput.loadavg()
+    tag = a.tag or f"{device.type}_{dt.datetime.now(dt.UTC).strftime('%Y%m%d')}"
+    os.makedirs(a.out, exist_ok=True)
+    found = dict(layers=[], steps=[], step_model=[], graphs=None, profiled=None)
+
+    def write():  # after every part: a run cut off by a time limit keeps what finished
+        us = host_us_per_launch(found["layers"]) if found["layers"] else None
+        meta = throughput.run_meta(device, dict(
+            loadavg_start=loadavg_start, hidden_size=a.hidden_size, seq_len=a.seq_len,
+            activated_depth=a.activated_depth, calls=a.calls, repeats=a.repeats,
+            path="fused" if device.type == "cuda" else "torch", us_per_launch=us, mfu=a.mfu,
+            graph_launch_us=a.graph_launch_us, headline=HEADLINE, peak_bf16_flops=PEAK_BF16_FLOPS))
+        with open(os.path.join(a.out, f"host_overhead_{tag}.json"), "w") as fh:
+            json.dump(dict(meta=meta, **found), fh, indent=1)
+        text = render_markdown(meta, found["layers"], found["steps"], found["step_model"], found["graphs"],
+                               found["profiled"])
+        with open(os.path.join(a.out, f"host_overhead_{tag}.md"), "w") as fh:
+            fh.write(text)
+        return text
+
+    def stamp(what):
+        print(f"[{dt.datetime.now().strftime('%H:%M:%S')}] {what}", flush=True)
+
     with throughput.single_rank_megatron():
-        print(f"[{dt.datetime.now().strftime('%H:%M:%S')}] layers", flush=True)
-        layers = measure_layers(device, a.seq_len, 1, a.hidden_size, a.calls, a.repeats)
-        us = host_us_per_launch(layers)
-        print(f"[{dt.datetime.now().strftime('%H:%M:%S')}] steps", flush=True)
-        steps = measure_steps(device, a.models, backbone, a.seq_len, 1, a.steps, layers)
-        model_rows = headline_table(layers, us, a.mfu, graph_launch_us=a.graph_launch_us)
-        graphs = profiled = None
+        stamp("layers")
+        found["layers"] = measure_layers(device, a.seq_len, 1, a.hidden_size, a.calls, a.repeats)
+        found["step_model"] = headline_table(found["layers"], host_us_per_launch(found["layers"]), a.mfu,
+                                             graph_launch_us=a.graph_launch_us)
+        write()
+        stamp("steps")
+        found["steps"] = measure_steps(device, a.models, backbone, a.seq_len, 1, a.steps, found["layers"])
+        write()
         if a.graphs:  # Dense and the deepest model asked for (A3K16 by default)
             pair = list(dict.fromkeys([a.models[0], a.models[-1]]))
             pb = get_backbone(a.profile_backbone) if a.profile_backbone else backbone
-            print(f"[{dt.datetime.now().strftime('%H:%M:%S')}] profiler", flush=True)
-            profiled = profile_steps(device, pair, pb, a.profile_seq_len or a.seq_len)
-            print(f"[{dt.datetime.now().strftime('%H:%M:%S')}] graphs", flush=True)
-            graphs = graph_rows(device, pair, backbone, a.seq_len)
-    meta = throughput.run_meta(device, dict(
-        loadavg_start=loadavg_start, hidden_size=a.hidden_size, seq_len=a.seq_len, activated_depth=a.activated_depth,
-        calls=a.calls, repeats=a.repeats, path="fused" if device.type == "cuda" else "torch", us_per_launch=us,
-        mfu=a.mfu, graph_launch_us=a.graph_launch_us, headline=HEADLINE, peak_bf16_flops=PEAK_BF16_FLOPS))
-    tag = a.tag or f"{device.type}_{dt.datetime.now(dt.UTC).strftime('%Y%m%d')}"
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"host_overhead_{tag}.json"), "w") as fh:
-        json.dump(dict(meta=meta, layers=layers, steps=steps, step_model=model_rows, graphs=graphs,
-                       profiled=profiled), fh, indent=1)
-    text = render_markdown(meta, layers, steps, model_rows, graphs, profiled)
-    with open(os.path.join(a.out, f"host_overhead_{tag}.md"), "w") as fh:
-        fh.write(text)
-    print(text)
+            stamp(f"profiler ({pb.name}, L={a.profile_seq_len or a.seq_len})")
+            found["profiled"] = profile_steps(device, pair, pb, a.profile_seq_len or a.seq_len)
+            write()
+            stamp("graphs")  # last: a failed capture may leave the CUDA context unusable
+            found["graphs"] = graph_rows(device, pair, backbone, a.seq_len)
+    print(write())
     return 0
 
 
