@@ -265,7 +265,10 @@ def graph_rows(device, models=("dense", "xmod-a3k16"), backbone=HOST_BACKBONE, s
                 with torch.cuda.graph(graph):
                     fwd_bwd()
             except Exception as e:  # noqa: BLE001 - the capture's failure is the result
-                row["capture_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
+                # the first error inside the capture, when ending the capture raised another one
+                first = e.__context__ if e.__context__ is not None else e
+                row["capture_error"] = "; ".join(f"{type(x).__name__}: {str(x).splitlines()[0] if str(x) else ''}"[:300]
+                                                 for x in dict.fromkeys([first, e]))
                 rows.append(row)
                 continue
             graph.replay()
