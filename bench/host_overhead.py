@@ -297,10 +297,16 @@ def profile_steps(device, models=("dense", "xmod-a3k16"), backbone=HOST_BACKBONE
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     rows = []
     for m in models:
-        run = throughput.ModelRun(backbone, m, seq_len, 1, 1, device, device.type == "cuda")
-        run.train_step(timed=False)
-        with profile(activities=activities) as prof:
-            run.train_step(timed=True)
+        try:
+            run = throughput.ModelRun(backbone, m, seq_len, 1, 1, device, device.type == "cuda")
+            run.train_step(timed=False)
+            with profile(activities=activities) as prof:
+                run.train_step(timed=True)
+        except Exception as e:  # noqa: BLE001 - recorded (e.g. out of memory, or a context a failed capture broke)
+            rows.append(dict(model=m, backbone=backbone.name, seq_len=seq_len, error=f"{type(e).__name__}: {e}"[:300]))
+            run = None
+            throughput.free_memory(device)
+            continue
         events = prof.key_averages()
         host_us = sum(e.self_cpu_time_total for e in events)
         device_us = (sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
@@ -369,6 +375,9 @@ def render_markdown(meta, layers, steps, model_rows, graphs, profiled) -> str:
                 "| model | backbone | L | layers | wall ms | host (ops' self CPU) ms | device (kernels) ms | device busy |",
                 "|---|---|---:|---:|---:|---:|---:|---:|"]
         for r in profiled:
+            if "error" in r:
+                out.append(f"| {r['model']} | {r['backbone']} | {r['seq_len']} | - | {r['error']} | | | |")
+                continue
             out.append(f"| {r['model']} | {r['backbone']} | {r['seq_len']} | {r['num_layers']} | {r['wall_ms']:.1f} | "
                        f"{r['host_ops_ms']:.1f} | {f(r['device_ms'], '.1f')} | {f(r['device_busy'], '.0%')} |")
     if meta["device_type"] == "cpu":
@@ -447,11 +456,11 @@ def main(argv=None) -> int:
         if a.graphs:  # Dense and the deepest model asked for (A3K16 by default)
             pair = list(dict.fromkeys([a.models[0], a.models[-1]]))
             pb = get_backbone(a.profile_backbone) if a.profile_backbone else backbone
+            stamp("graphs")  # before the (slower) profiled steps; a failed capture's error is a result
+            found["graphs"] = graph_rows(device, pair, backbone, a.seq_len)
+            write()
             stamp(f"profiler ({pb.name}, L={a.profile_seq_len or a.seq_len})")
             found["profiled"] = profile_steps(device, pair, pb, a.profile_seq_len or a.seq_len)
-            write()
-            stamp("graphs")  # last: a failed capture may leave the CUDA context unusable
-            found["graphs"] = graph_rows(device, pair, backbone, a.seq_len)
     print(write())
     return 0
 
