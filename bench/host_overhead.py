@@ -138,6 +138,8 @@ def measure_layers(device, seq_len=128, batch=1, hidden_size=64, calls=50, repea
             rows.append(dict(layer=name, **timed, forward_launches=launches["forward"],
                              backward_launches=launches["backward"],
                              us_per_launch=(timed["forward_us"] + timed["backward_us"])
+                             / max(1, launches["forward"] + launches["backward"]),
+                             cpu_us_per_launch=(timed["forward_cpu_us"] + timed["backward_cpu_us"])
                              / max(1, launches["forward"] + launches["backward"])))
     finally:
         ops._set_path("torch")
@@ -146,9 +148,10 @@ def measure_layers(device, seq_len=128, batch=1, hidden_size=64, calls=50, repea
     return rows
 
 
-def host_us_per_launch(layer_rows) -> float:
-    """All three layers' host time over all their launches (forward and backward)."""
-    us = sum(r["forward_us"] + r["backward_us"] for r in layer_rows)
+def host_us_per_launch(layer_rows, basis: str = "") -> float:
+    """All three layers' host time over all their launches (forward and backward); ``basis``
+    "" (wall clock) or "cpu_" (this process's CPU time)."""
+    us = sum(r[f"forward_{basis}us"] + r[f"backward_{basis}us"] for r in layer_rows)
     return us / sum(r["forward_launches"] + r["backward_launches"] for r in layer_rows)
 
 
@@ -201,7 +204,9 @@ def step_model(flops_per_token, seq_len, tp, n_dense, n_sparse, dense_launches, 
 
 def headline_table(layer_rows, us_per_launch, mfu=0.45, gpus=tuple(PEAK_BF16_FLOPS), models=MODELS,
                    backbone=HEADLINE["backbone"], seq_len=HEADLINE["seq_len"], tp=HEADLINE["tp"],
-                   graph_launch_us=GRAPH_LAUNCH_US) -> list[dict]:
+                   graph_launch_us=GRAPH_LAUNCH_US, cpu_us_per_launch=None) -> list[dict]:
+    """The step model of every model x GPU; with ``cpu_us_per_launch`` also the eager host time on
+    the CPU-time basis (``eager_host_cpu_s``, ``eager_cpu_factor``)."""
     b = get_backbone(backbone)
     launches = {r["layer"]: r["forward_launches"] + r["backward_launches"] for r in layer_rows}
     rows = []
@@ -214,6 +219,9 @@ def headline_table(layer_rows, us_per_launch, mfu=0.45, gpus=tuple(PEAK_BF16_FLO
             predicted = step_model(counted.flops_per_token, seq_len, tp, n_dense, n_sparse, launches["dense"],
                                    launches[sparse_layer_kind(m)], us_per_launch, PEAK_BF16_FLOPS[gpu], mfu,
                                    graph_launch_us=graph_launch_us)
+            if cpu_us_per_launch is not None:
+                predicted["eager_host_cpu_s"] = predicted["launches"] * cpu_us_per_launch * 1e-6
+                predicted["eager_cpu_factor"] = predicted["eager_host_cpu_s"] / predicted["device_s"]
             rows.append(dict(model=m, gpu=gpu, num_layers=description.layout.num_layers,
                              flops_per_token=counted.flops_per_token, mfu=mfu, **predicted))
     return rows
@@ -337,9 +345,10 @@ def render_markdown(meta, layers, steps, model_rows, graphs, profiled) -> str:
         out.append(f"| {r['layer']} | {r['forward_us']:.0f} ({r['forward_best_us']:.0f}, {r['forward_cpu_us']:.0f}) | "
                    f"{r['forward_launches']} | {r['backward_us']:.0f} ({r['backward_best_us']:.0f}, "
                    f"{r['backward_cpu_us']:.0f}) | {r['backward_launches']} | {r['us_per_launch']:.1f} |")
-    out += ["", f"All three layers: {meta['us_per_launch']:.1f} us per launch (wall, median; the step model's "
-            "host cost per eager launch). Best: the fastest repeat; CPU time: this process's, without the waits "
-            "for other processes.", "",
+    out += ["", f"All three layers: {meta['us_per_launch']:.1f} us per launch (wall clock, median: the step model's "
+            f"host cost per eager launch); {f(meta.get('cpu_us_per_launch'), '.1f')} us on the CPU-time basis (this "
+            f"process's CPU time with {meta.get('torch_threads')} torch thread(s): the waits for other processes "
+            "left out). Best: the fastest repeat.", "",
             f"## Whole training step at h={meta['hidden_size']}, L={meta['seq_len']}, activated depth "
             f"{meta['activated_depth']} (one micro-batch; models interleaved)", "",
             "| model | layers | fwd+bwd ms | optimizer ms | fwd+bwd us per layer | sum of its layers' calls ms |",
@@ -355,11 +364,13 @@ def render_markdown(meta, layers, steps, model_rows, graphs, profiled) -> str:
             "(assumed per graph launch). Launch counts per layer from the table above (TP 1: TP adds its "
             "collectives, a few per layer).", "",
             "| model | GPU | layers | FLOPs/GPU | device ms | launches | host eager ms | eager host/device "
-            "| host graphed ms | graphed host/device |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| eager, CPU-time basis | host graphed ms | graphed host/device |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in model_rows:
+        cpu_basis = (f"{r['eager_host_cpu_s'] * 1e3:.0f} ms, {r['eager_cpu_factor']:.2f}x" if "eager_cpu_factor" in r
+                     else "-")
         out.append(f"| {r['model']} | {r['gpu']} | {r['num_layers']} | {r['flops_per_gpu']:.2e} | {r['device_s'] * 1e3:.0f} | "
-                   f"{r['launches']} | {r['eager_host_s'] * 1e3:.0f} | {r['eager_factor']:.2f}x | "
+                   f"{r['launches']} | {r['eager_host_s'] * 1e3:.0f} | {r['eager_factor']:.2f}x | {cpu_basis} | "
                    f"{r['graphed_host_s'] * 1e3:.1f} | {r['graphed_factor']:.3f}x |")
     if graphs:
         out += ["", "## Eager vs CUDA graph (fwd+bwd of the GPT model at the host width)", "",
@@ -396,7 +407,10 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--activated-depth", type=int, default=28)
     p.add_argument("--calls", type=int, default=50)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: host dispatch is one thread, and the CPU-time basis "
+                        "is then this thread's; 0 leaves torch's default)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--mfu", type=float, default=0.45)
     p.add_argument("--graph-launch-us", type=float, default=GRAPH_LAUNCH_US)
@@ -421,6 +435,16 @@ def main(argv=None) -> int:
                         head_dim=16, num_attention_heads=a.hidden_size // 16, num_query_groups=a.hidden_size // 32,
                         ffn_hidden_size=3 * a.hidden_size, num_layers=a.activated_depth, vocab_size=256,
                         rotary_base=10000)
+    threads_before = torch.get_num_threads()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    try:
+        return _run(a, device, backbone)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(a, device, backbone) -> int:
     loadavg_start = throughput.loadavg()
     tag = a.tag or f"{device.type}_{dt.datetime.now(dt.UTC).strftime('%Y%m%d')}"
     os.makedirs(a.out, exist_ok=True)
@@ -428,10 +452,12 @@ def main(argv=None) -> int:
 
     def write():  # after every part: a run cut off by a time limit keeps what finished
         us = host_us_per_launch(found["layers"]) if found["layers"] else None
+        cpu_us = host_us_per_launch(found["layers"], "cpu_") if found["layers"] else None
         meta = throughput.run_meta(device, dict(
             loadavg_start=loadavg_start, hidden_size=a.hidden_size, seq_len=a.seq_len,
             activated_depth=a.activated_depth, calls=a.calls, repeats=a.repeats,
-            path="fused" if device.type == "cuda" else "torch", us_per_launch=us, mfu=a.mfu,
+            path="fused" if device.type == "cuda" else "torch", us_per_launch=us, cpu_us_per_launch=cpu_us,
+            torch_threads=torch.get_num_threads(), mfu=a.mfu,
             graph_launch_us=a.graph_launch_us, headline=HEADLINE, peak_bf16_flops=PEAK_BF16_FLOPS))
         with open(os.path.join(a.out, f"host_overhead_{tag}.json"), "w") as fh:
             json.dump(dict(meta=meta, **found), fh, indent=1)
@@ -448,7 +474,8 @@ def main(argv=None) -> int:
         stamp("layers")
         found["layers"] = measure_layers(device, a.seq_len, 1, a.hidden_size, a.calls, a.repeats)
         found["step_model"] = headline_table(found["layers"], host_us_per_launch(found["layers"]), a.mfu,
-                                             graph_launch_us=a.graph_launch_us)
+                                             graph_launch_us=a.graph_launch_us,
+                                             cpu_us_per_launch=host_us_per_launch(found["layers"], "cpu_"))
         write()
         stamp("steps")
         found["steps"] = measure_steps(device, a.models, backbone, a.seq_len, 1, a.steps, found["layers"])

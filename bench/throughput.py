@@ -5,9 +5,13 @@ Every model is built at the same activated depth (the backbone's ``num_layers``,
 by megatron_xmod's builders, wrapped like megatron's training loop wraps it (Float16Module for
 bf16, megatron's DistributedDataParallel, the DistributedOptimizer from
 ``get_megatron_optimizer``, ``finalize_model_grads``) on a single-rank process group, and timed
-over whole steps: ``forward_backward_func`` (forward + backward) then ``optimizer.step()``.
-Evaluation is ``forward_only`` under the top-k rule (a fresh router's threshold rule would route
-about half of the tokens, not the 1/K a trained router routes).
+over whole steps: ``forward_backward_func`` over ``--num-microbatches`` micro-batches (default 10
+on a GPU: the paper's 80 sequences a step on 8 GPUs; 4 on CPU), then one ``optimizer.step()``,
+the two timed apart. The models' steps are interleaved (step 1 of every model, then step 2, ...)
+so that a drift of the machine's load hits every model alike; on a GPU where all models do not fit
+at once (or with ``--sequential``) they run model after model. Evaluation is ``forward_only``, one
+micro-batch a step, under the top-k rule (a fresh router's threshold rule would route about half
+of the tokens, not the 1/K a trained router routes).
 
 For each model it prints tokens/s, the ratio to Dense, the FLOP-ideal ratio (Dense FLOPs per
 token / the model's, from megatron_xmod.accounting) and the fraction of it achieved, and writes
