@@ -164,7 +164,7 @@ if [ "$MODE" = gpu ]; then
 else
   step permute "$PY" bench/permute.py --device cpu --L 256 --h 64 --b 1 2 --dtypes float32 --reps 2 --out "$OUT" --tag cpu
   step ops "$PY" bench/ops.py --paths torch --seq-len 16 --batch 1 --out "$OUT" --tag cpu
-  step host "$PY" bench/host_overhead.py --device cpu --models dense xmod-a4k8 --activated-depth 9 --hidden-size 32 \
+  step host "$PY" bench/host_overhead.py --device cpu --models dense mod --activated-depth 9 --hidden-size 32 \
     --seq-len 16 --calls 2 --repeats 1 --steps 1 --graphs --out "$OUT" --tag cpu
   step throughput "$PY" bench/throughput.py --tiny --activated-depth 9 --models dense xmod-a4k8 --num-microbatches 2 \
     --out "$OUT" --tag cpu
