@@ -519,11 +519,13 @@ def main(argv=None) -> int:
                                 steps, eval_steps, interleave=interleave, on_progress=progress)
                     break
                 except torch.cuda.OutOfMemoryError as e:
-                    print(f"    out of memory on {backbone.name} ({str(e).splitlines()[0]})")
-                    rows = None
-                    free_memory(device)
-                    if not interleave:
-                        break
+                    why = str(e).splitlines()[0]
+                # here, after the except block, the traceback and the models its frames held are gone
+                print(f"    out of memory on {backbone.name} ({why})")
+                rows = None
+                free_memory(device)
+                if not interleave:
+                    break
                     interleave = False  # the fallback: one model in memory at a time
                     print("    retrying model after model", flush=True)
             if rows is not None:
