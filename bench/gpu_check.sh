@@ -10,8 +10,12 @@
 #   racecheck compute-sanitizer --tool racecheck on the same case
 #   permute   bench/permute.py: kernel-only timing vs copy, bf16/fp16/fp32  -> $OUT/permute_gpu.*
 #   ops       bench/ops.py: kernel launches of a routed vs a dense layer    -> $OUT/ops_gpu.*
-#   throughput bench/throughput.py: tokens/s, L=32768                      -> $OUT/throughput_gpu.*
-# Every step runs under its own `timeout` (the caps below add up to 525 s) and writes into $OUT as it
+#   host      bench/host_overhead.py: host us per layer call and per launch at h=64, the step model,
+#             eager vs CUDA-graph fwd+bwd of Dense and A3K16 (a failed capture's error is a result),
+#             one step of each under torch.profiler at 298m, L=32768 (host vs device time)
+#                                                                         -> $OUT/host_overhead_gpu.*
+#   throughput bench/throughput.py: tokens/s, L=32768, 4 micro-batches a step -> $OUT/throughput_gpu.*
+# Every step runs under its own `timeout` (the caps below add up to 535 s) and writes into $OUT as it
 # goes, so a run cut off anywhere still returns what finished; $OUT/summary.txt has one line a step.
 #
 #   bench/gpu_check.sh                 # on the GPU machine ($OUT set by the device tool)
@@ -23,8 +27,8 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-STEPS=(env wheels build tests memcheck racecheck permute ops throughput)
-declare -A CAP=([env]=10 [wheels]=30 [build]=80 [tests]=75 [memcheck]=30 [racecheck]=30 [permute]=70 [ops]=25 [throughput]=175)
+STEPS=(env wheels build tests memcheck racecheck permute ops host throughput)
+declare -A CAP=([env]=10 [wheels]=30 [build]=80 [tests]=75 [memcheck]=25 [racecheck]=25 [permute]=50 [ops]=20 [host]=70 [throughput]=150)
 WHEEL_PINS=(megatron-core==0.19.2 numpy==2.5.5 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0)
 WHEELS="${WHEELS:-$ROOT/runs/gpu_wheels}"
 
@@ -153,11 +157,17 @@ step racecheck sanitize racecheck
 if [ "$MODE" = gpu ]; then
   step permute "$PY" bench/permute.py --out "$OUT" --tag gpu --max-seconds $((CAP[permute] - 15))
   step ops "$PY" bench/ops.py --device cuda --out "$OUT" --tag gpu
-  step throughput "$PY" bench/throughput.py --warmup 1 --steps 2 --eval-steps 1 --out "$OUT" --tag gpu
+  step host "$PY" bench/host_overhead.py --device cuda --graphs --profile-backbone 298m --profile-seq-len 32768 \
+    --steps 2 --out "$OUT" --tag gpu
+  # 4 micro-batches a step here to fit the cap (the paper's protocol, 10, is throughput.py's GPU default)
+  step throughput "$PY" bench/throughput.py --num-microbatches 4 --warmup 1 --steps 1 --eval-steps 1 --out "$OUT" --tag gpu
 else
   step permute "$PY" bench/permute.py --device cpu --L 256 --h 64 --b 1 2 --dtypes float32 --reps 2 --out "$OUT" --tag cpu
   step ops "$PY" bench/ops.py --paths torch --seq-len 16 --batch 1 --out "$OUT" --tag cpu
-  step throughput "$PY" bench/throughput.py --tiny --activated-depth 9 --models dense xmod-a4k8 --out "$OUT" --tag cpu
+  step host "$PY" bench/host_overhead.py --device cpu --models dense mod --activated-depth 9 --hidden-size 32 \
+    --seq-len 16 --calls 2 --repeats 1 --steps 1 --graphs --out "$OUT" --tag cpu
+  step throughput "$PY" bench/throughput.py --tiny --activated-depth 9 --models dense xmod-a4k8 --num-microbatches 2 \
+    --out "$OUT" --tag cpu
 fi
 echo "done: status $status, results in $OUT"; cat "$SUMMARY"
 exit $status

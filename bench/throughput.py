@@ -5,9 +5,13 @@ Every model is built at the same activated depth (the backbone's ``num_layers``,
 by megatron_xmod's builders, wrapped like megatron's training loop wraps it (Float16Module for
 bf16, megatron's DistributedDataParallel, the DistributedOptimizer from
 ``get_megatron_optimizer``, ``finalize_model_grads``) on a single-rank process group, and timed
-over whole steps: ``forward_backward_func`` (forward + backward) then ``optimizer.step()``.
-Evaluation is ``forward_only`` under the top-k rule (a fresh router's threshold rule would route
-about half of the tokens, not the 1/K a trained router routes).
+over whole steps: ``forward_backward_func`` over ``--num-microbatches`` micro-batches (default 10
+on a GPU: the paper's 80 sequences a step on 8 GPUs; 4 on CPU), then one ``optimizer.step()``,
+the two timed apart. The models' steps are interleaved (step 1 of every model, then step 2, ...)
+so that a drift of the machine's load hits every model alike; on a GPU where all models do not fit
+at once (or with ``--sequential``) they run model after model. Evaluation is ``forward_only``, one
+micro-batch a step, under the top-k rule (a fresh router's threshold rule would route about half
+of the tokens, not the 1/K a trained router routes).
 
 For each model it prints tokens/s, the ratio to Dense, the FLOP-ideal ratio (Dense FLOPs per
 token / the model's, from megatron_xmod.accounting) and the fraction of it achieved, and writes
@@ -160,7 +164,8 @@ def forward_step(data_iterator, model):
 
     def loss_func(per_token):
         loss = per_token.float().mean()
-        return loss, {"lm loss": loss.detach()}
+        # a copy: megatron's schedule divides the returned loss by num_microbatches in place
+        return loss, {"lm loss": loss.detach().clone()}
 
     return output, loss_func
 
@@ -185,68 +190,146 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_model(backbone, name, seq_len, micro_batch, device, bf16, warmup, steps, eval_steps) -> dict:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+class ModelRun:
+    """One model built for training, stepped one optimizer step at a time (so that several models'
+    steps can be interleaved): ``forward_backward_func`` over ``num_microbatches`` micro-batches,
+    then ``optimizer.step()``, each timed on its own."""
 
-    from megatron_xmod.xmod import kernels
-    from megatron_xmod.xmod.routing_state import eval_routing, report
+    def __init__(self, backbone, name, seq_len, micro_batch, num_microbatches, device, bf16):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model, optimizer, config = build_training(backbone, name, seq_len, device, bf16)
-    data = batches(backbone, seq_len, micro_batch, device)
-    forward_backward = get_forward_backward_func()
-    common = dict(forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=1,
-                  seq_length=seq_len, micro_batch_size=micro_batch)
-    launches_before = dict(kernels.launch_counts)
+        self.name, self.device, self.num_microbatches = name, device, num_microbatches
+        self.tokens = seq_len * micro_batch  # per micro-batch
+        self.model, self.optimizer, self.config = build_training(backbone, name, seq_len, device, bf16)
+        self.forward_backward = get_forward_backward_func()
+        self.common = dict(forward_step_func=self._forward_step, data_iterator=batches(backbone, seq_len, micro_batch, device),
+                           model=[self.model], seq_length=seq_len, micro_batch_size=micro_batch)
+        self.forward_calls = 0  # micro-batches run (training and evaluation)
+        self.train_microbatches = self.eval_microbatches = 0
+        self.fwd_bwd_s, self.optimizer_s, self.train_losses, self.eval_s = [], [], [], []
+        self.grad_norm, self.routing, self.peak_gib = None, {}, None
+        self.launched: dict = {}
 
-    def train_step():
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = forward_backward(forward_only=False, **common)
-        ok, grad_norm, _ = optimizer.step()
-        return losses[0]["lm loss"], grad_norm
+    def _forward_step(self, data_iterator, model):
+        self.forward_calls += 1
+        return forward_step(data_iterator, model)  # the module's, looked up per call (tests count it)
 
-    def eval_step():
-        with torch.no_grad():
-            return forward_backward(forward_only=True, **common)[0]["lm loss"]
+    def _count_launches(self, before):
+        from megatron_xmod.xmod import kernels
 
-    model.train()
-    train_times, train_losses = [], []
-    for i in range(warmup + steps):
-        _sync(device)
+        for k, v in kernels.launch_counts.items():
+            if v - before.get(k, 0):
+                self.launched[k] = self.launched.get(k, 0) + v - before.get(k, 0)
+
+    def train_step(self, timed: bool):
+        from megatron_xmod.xmod import kernels
+
+        before = dict(kernels.launch_counts)
+        self.model.train()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        calls = self.forward_calls
+        _sync(self.device)
         t0 = time.perf_counter()
-        loss, grad_norm = train_step()
-        _sync(device)
-        if i >= warmup:
-            train_times.append(time.perf_counter() - t0)
-            train_losses.append(float(loss))
-    routing = report(model) if name != "dense" else {}
-    model.eval()
-    eval_times = []
-    with eval_routing(model, "topk"):
-        for i in range(1 + eval_steps):  # one untimed warm-up step
-            _sync(device)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self.forward_backward(forward_only=False, num_microbatches=self.num_microbatches, **self.common)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        _ok, grad_norm, _ = self.optimizer.step()
+        _sync(self.device)
+        t2 = time.perf_counter()
+        self.train_microbatches += self.forward_calls - calls
+        self._count_launches(before)
+        if self.device.type == "cuda":  # with interleaving this includes the other models' resident state
+            self.peak_gib = max(self.peak_gib or 0.0, torch.cuda.max_memory_allocated() / 2**30)
+        if timed:
+            self.fwd_bwd_s.append(t1 - t0)
+            self.optimizer_s.append(t2 - t1)
+            self.train_losses.append(float(statistics.mean(float(x["lm loss"]) for x in losses)))
+            self.grad_norm = float(grad_norm) if grad_norm is not None else None
+
+    def end_training(self):
+        from megatron_xmod.xmod.routing_state import report
+
+        self.routing = report(self.model) if self.name != "dense" else {}
+
+    def eval_step(self, timed: bool):
+        """One forward-only micro-batch under the top-k rule (no optimizer step to amortise)."""
+        from megatron_xmod.xmod import kernels
+        from megatron_xmod.xmod.routing_state import eval_routing
+
+        before = dict(kernels.launch_counts)
+        calls = self.forward_calls
+        self.model.eval()
+        with eval_routing(self.model, "topk"), torch.no_grad():
+            _sync(self.device)
             t0 = time.perf_counter()
-            eval_step()
-            _sync(device)
-            if i >= 1:
-                eval_times.append(time.perf_counter() - t0)
-    model.train()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    launched = {k: v - launches_before.get(k, 0) for k, v in kernels.launch_counts.items() if v - launches_before.get(k, 0)}
-    num_params = sum(p.numel() for p in model.parameters())
-    tokens = seq_len * micro_batch
-    return dict(train_step_s=train_times, eval_step_s=eval_times, train_loss=train_losses,
-                train_tok_s=tokens / statistics.median(train_times), eval_tok_s=tokens / statistics.median(eval_times),
-                # best-of: on a shared machine the fastest step is the closest to the code's own cost
-                train_best_tok_s=tokens / min(train_times), eval_best_tok_s=tokens / min(eval_times),
-                selected_fraction=routing.get("selected_fraction"), peak_gib=peak, params=num_params,
-                routing_step_calls=launched, grad_norm=float(grad_norm) if grad_norm is not None else None)
+            self.forward_backward(forward_only=True, num_microbatches=1, **self.common)
+            _sync(self.device)
+            elapsed = time.perf_counter() - t0
+        self.model.train()
+        self.eval_microbatches += self.forward_calls - calls
+        self._count_launches(before)
+        if timed:
+            self.eval_s.append(elapsed)
+
+    def result(self) -> dict:
+        steps = [a + b for a, b in zip(self.fwd_bwd_s, self.optimizer_s)]
+        train_tokens = self.tokens * self.num_microbatches
+        med = lambda v: statistics.median(v) if v else None  # noqa: E731
+        tok = lambda n, t: n / t if t else None  # noqa: E731
+        return dict(train_step_s=steps, train_fwd_bwd_s=list(self.fwd_bwd_s), train_optimizer_s=list(self.optimizer_s),
+                    eval_step_s=list(self.eval_s), train_loss=list(self.train_losses),
+                    num_microbatches=self.num_microbatches, train_microbatches_run=self.train_microbatches,
+                    eval_microbatches_run=self.eval_microbatches,
+                    fwd_bwd_s=med(self.fwd_bwd_s), optimizer_s=med(self.optimizer_s),
+                    optimizer_fraction=(med(self.optimizer_s) / med(steps)) if steps else None,
+                    train_tok_s=tok(train_tokens, med(steps)), eval_tok_s=tok(self.tokens, med(self.eval_s)),
+                    # best-of: on a shared machine the fastest step is the closest to the code's own cost
+                    train_best_tok_s=tok(train_tokens, min(steps, default=None)),
+                    eval_best_tok_s=tok(self.tokens, min(self.eval_s, default=None)),
+                    selected_fraction=self.routing.get("selected_fraction"), peak_gib=self.peak_gib,
+                    params=sum(p.numel() for p in self.model.parameters()),
+                    routing_step_calls=dict(self.launched), grad_norm=self.grad_norm)
+
+
+def time_models(backbone, models, seq_len, micro_batch, num_microbatches, device, bf16, warmup, steps, eval_steps,
+                interleave=True, on_progress=None) -> dict:
+    """{model: result}. ``interleave``: all models are built first and stepped round-robin (step 1 of
+    every model, then step 2, ...), so that a drift of the machine's load hits every model alike;
+    otherwise model after model (one model in memory at a time). ``on_progress(results)`` after
+    every timed round (or model), so that a run cut off keeps what finished."""
+    groups = [list(models)] if interleave else [[m] for m in models]
+    results = {}
+    for group in groups:
+        runs = {}
+        for m in group:
+            print(f"[{dt.datetime.now().strftime('%H:%M:%S')}] build {m} on {backbone.name}, L={seq_len}", flush=True)
+            runs[m] = ModelRun(backbone, m, seq_len, micro_batch, num_microbatches, device, bf16)
+        for i in range(warmup + steps):
+            for run in runs.values():
+                run.train_step(timed=i >= warmup)
+            if i >= warmup and on_progress and interleave:
+                on_progress({**results, **{m: r.result() for m, r in runs.items()}})
+        for run in runs.values():
+            run.end_training()
+        for i in range(1 + eval_steps):  # one untimed warm-up step
+            for run in runs.values():
+                run.eval_step(timed=i >= 1)
+        for m, run in runs.items():
+            results[m] = run.result()
+        if on_progress:
+            on_progress(dict(results))
+        del runs
+        free_memory(device)
+    return results
 
 
 # ------------------------------------------------------------------------------------ sizing
 
-def estimated_gib(backbone: Backbone, name: str, seq_len: int, micro_batch: int) -> float:
-    """A rough upper estimate of one training step's memory (optimizer state + activations)."""
+def estimated_parts_gib(backbone: Backbone, name: str, seq_len: int, micro_batch: int) -> tuple[float, float]:
+    """(resident state, one micro-batch's activations) in GiB: a rough upper estimate."""
     description = parse_model(name, backbone)
     params = count(description, seq_len).total_params
     tokens, h = seq_len * micro_batch, backbone.hidden_size
@@ -257,7 +340,22 @@ def estimated_gib(backbone: Backbone, name: str, seq_len: int, micro_batch: int)
         # plus, for a sparse layer, its full-length output and router input.
         activations += routed * h * 2 * 24 + (2 * tokens * h * 2 if layer.is_sparse else 0)
     logits = tokens * backbone.vocab_size * 4 * 3
-    return (params * BYTES_PER_PARAM + activations + logits) / 2**30
+    return params * BYTES_PER_PARAM / 2**30, (activations + logits) / 2**30
+
+
+def estimated_gib(backbone: Backbone, name: str, seq_len: int, micro_batch: int) -> float:
+    """A rough upper estimate of one training step's memory (optimizer state + activations)."""
+    return sum(estimated_parts_gib(backbone, name, seq_len, micro_batch))
+
+
+def fit_together(backbone: Backbone, models, seq_len: int, micro_batch: int, device) -> bool:
+    """Whether every model's resident state plus the largest model's activations fit at once (the
+    interleaved schedule keeps all models built); always on CPU."""
+    if device.type != "cuda":
+        return True
+    parts = [estimated_parts_gib(backbone, m, seq_len, micro_batch) for m in models]
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return sum(state for state, _ in parts) + max(act for _, act in parts) < 0.85 * total
 
 
 def pick_backbone(models, seq_len, micro_batch, device, requested: str | None):
@@ -281,12 +379,15 @@ def ideal_ratios(backbone: Backbone, models, seq_len: int) -> dict:
 
 def summarize(rows: list[dict]) -> list[dict]:
     dense = next((r for r in rows if r["model"] == "dense"), None)
+    def over(r, key):
+        return r[key] / dense[key] if dense and r[key] is not None and dense[key] else None
+
     for r in rows:
         for phase in ("train", "eval"):
-            ratio = r[f"{phase}_tok_s"] / dense[f"{phase}_tok_s"] if dense else None
+            ratio = over(r, f"{phase}_tok_s")
             r[f"{phase}_ratio"] = ratio
             r[f"{phase}_fraction_of_ideal"] = ratio / r["ideal_ratio"] if ratio is not None else None
-            r[f"{phase}_best_ratio"] = r[f"{phase}_best_tok_s"] / dense[f"{phase}_best_tok_s"] if dense else None
+            r[f"{phase}_best_ratio"] = over(r, f"{phase}_best_tok_s")
     return rows
 
 
@@ -298,20 +399,24 @@ def render_markdown(meta: dict, rows: list[dict]) -> str:
            f"- backbone {b['name']} (h={b['hidden_size']}, heads {b['num_attention_heads']}/{b['num_query_groups']}, "
            f"ffn {b['ffn_hidden_size']}, activated depth {b['num_layers']}, vocab {b['vocab_size']}); "
            f"L={meta['seq_len']}, micro-batch {meta['micro_batch']}, {meta['dtype']}",
-           f"- per model: {meta['warmup']} warm-up + {meta['steps']} timed training steps (forward, backward, "
-           f"DistributedOptimizer Adam step; median), {meta['eval_steps']} evaluation steps (forward only, top-k rule)",
+           f"- per model: {meta['warmup']} warm-up + {meta['steps']} timed training steps of {meta['num_microbatches']} "
+           f"micro-batches each (forward_backward_func over the micro-batches, then one DistributedOptimizer Adam "
+           f"step; median), {meta['eval_steps']} evaluation steps of one micro-batch (forward only, top-k rule)",
+           f"- schedule: {meta['schedule']}",
            f"- routing step backend: {meta['routing_backend']}; permutation backend: {meta['permute_backend']}",
            f"- load average before/after (1/5/15 min): {meta['loadavg_start']} / {meta['loadavg']}", "",
-           "| model | layers | params | train tok/s | vs Dense | FLOP-ideal | of ideal | eval tok/s | vs Dense | of ideal |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| model | layers | params | fwd+bwd s/step | optimizer s/step | train tok/s | vs Dense | FLOP-ideal | of ideal "
+           "| eval tok/s | vs Dense | of ideal |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
-        out.append(f"| {r['model']} | {r['num_layers']} | {r['params'] / 1e6:.1f}M | {r['train_tok_s']:.0f} | "
+        out.append(f"| {r['model']} | {r['num_layers']} | {r['params'] / 1e6:.1f}M | {f(r['fwd_bwd_s'], '.3f')} | "
+                   f"{f(r['optimizer_s'], '.3f')} ({f(r['optimizer_fraction'], '.0%')}) | {f(r['train_tok_s'], '.0f')} | "
                    f"{f(r['train_ratio'], '.2f')}x | {r['ideal_ratio']:.2f}x | {f(r['train_fraction_of_ideal'], '.0%')} | "
-                   f"{r['eval_tok_s']:.0f} | {f(r['eval_ratio'], '.2f')}x | {f(r['eval_fraction_of_ideal'], '.0%')} |")
+                   f"{f(r['eval_tok_s'], '.0f')} | {f(r['eval_ratio'], '.2f')}x | {f(r['eval_fraction_of_ideal'], '.0%')} |")
     out += ["", "Best-of (fastest step, closer to the code's own cost on a shared machine): "
-            + "; ".join(f"{r['model']} train {r['train_best_tok_s']:.0f} tok/s ({f(r['train_best_ratio'], '.2f')}x), "
-                        f"eval {r['eval_best_tok_s']:.0f} tok/s ({f(r['eval_best_ratio'], '.2f')}x)" for r in rows) + "."]
+            + "; ".join(f"{r['model']} train {f(r['train_best_tok_s'], '.0f')} tok/s ({f(r['train_best_ratio'], '.2f')}x), "
+                        f"eval {f(r['eval_best_tok_s'], '.0f')} tok/s ({f(r['eval_best_ratio'], '.2f')}x)" for r in rows) + "."]
     out += ["", "FLOP-ideal: Dense forward FLOPs per token / the model's (megatron_xmod.accounting: matmuls and "
             "full-length attention, LM head excluded)."]
     if meta["device_type"] == "cpu":
@@ -337,9 +442,15 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--eval-steps", type=int, default=None)
+    p.add_argument("--num-microbatches", type=int, default=None,
+                   help="micro-batches per optimizer step (default: 10 on GPU, the paper's 80 sequences a step on 8 "
+                        "GPUs; 4 on CPU)")
+    p.add_argument("--sequential", action="store_true",
+                   help="model after model instead of interleaving the models' steps (on a GPU this is the "
+                        "fallback when all models do not fit at once)")
     p.add_argument("--activated-depth", type=int, default=None,
                    help="activated depth every model is matched to (default: the backbone's, 28 for Table 4)")
-    p.add_argument("--tiny", action="store_true", help=f"{TINY_BACKBONE.name}, L=64, 1+1 steps: seconds (CI)")
+    p.add_argument("--tiny", action="store_true", help=f"{TINY_BACKBONE.name}, L=64, 1+1 steps: seconds (CI; pass --num-microbatches for fewer than 4)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--tag", default=None, help="results name throughput_<tag>.* (default <machine>_<date>)")
     a = p.parse_args(argv)
@@ -361,8 +472,11 @@ def main(argv=None) -> int:
     unknown = [m for m in a.models if m not in MODELS]
     if unknown:
         p.error(f"--models: {unknown} not among {', '.join(MODELS)}")
+    num_microbatches = a.num_microbatches if a.num_microbatches is not None else (10 if on_gpu else 4)
     if steps < 1 or eval_steps < 1 or warmup < 0:
         p.error("--steps/--eval-steps: at least 1 each; --warmup: >= 0")
+    if num_microbatches < 1:
+        p.error("--num-microbatches: at least 1")
     try:
         candidates = pick_backbone(a.models, seq_len, a.micro_batch, device, a.backbone)
         if a.activated_depth is not None:
@@ -380,39 +494,59 @@ def main(argv=None) -> int:
     bf16 = on_gpu
     loadavg_start = loadavg()
     tag = a.tag or f"{'gpu' if on_gpu else 'cpu'}_{dt.datetime.now(dt.UTC).strftime('%Y%m%d')}"
-    settings = dict(seq_len=seq_len, micro_batch=a.micro_batch, dtype="bf16" if bf16 else "fp32", warmup=warmup,
-                    steps=steps, eval_steps=eval_steps, loadavg_start=loadavg_start)
+    settings = dict(seq_len=seq_len, micro_batch=a.micro_batch, num_microbatches=num_microbatches, eval_microbatches=1,
+                    dtype="bf16" if bf16 else "fp32", warmup=warmup, steps=steps, eval_steps=eval_steps,
+                    loadavg_start=loadavg_start)
     rows = None
     with single_rank_megatron():
         for backbone in candidates:
             ideal = ideal_ratios(backbone, a.models, seq_len)
-            rows = []
-            try:
-                for m in a.models:
-                    print(f"[{dt.datetime.now().strftime('%H:%M:%S')}] {m} on {backbone.name}, L={seq_len}", flush=True)
-                    result = time_model(backbone, m, seq_len, a.micro_batch, device, bf16, warmup, steps, eval_steps)
-                    free_memory(device)
-                    layout = parse_model(m, backbone).layout
-                    rows.append(dict(model=m, layout=layout.notation, num_layers=layout.num_layers,
-                                     ideal_ratio=ideal[m], **result))
-                    print(f"    train {result['train_tok_s']:.0f} tok/s, eval {result['eval_tok_s']:.0f} tok/s", flush=True)
-                    # after every model: a run cut off by a time limit keeps what finished
-                    write_results(a.out, tag, device, backbone, settings, rows)
-                break
-            except torch.cuda.OutOfMemoryError as e:
-                print(f"    out of memory on {backbone.name} ({str(e).splitlines()[0]}); trying a smaller backbone")
+            interleave = not a.sequential and fit_together(backbone, a.models, seq_len, a.micro_batch, device)
+            while True:
+                schedule = ("interleaved: step i of every model, then step i + 1" if interleave else
+                            "sequential: model after model")
+                print(f"{backbone.name}: {schedule}", flush=True)
+
+                rows = []
+
+                def progress(results, backbone=backbone, schedule=schedule, rows=rows, ideal=ideal):
+                    # after every round (or model): a run cut off by a time limit keeps what finished
+                    rows[:] = [make_row(m, backbone, ideal, results[m]) for m in a.models if m in results]
+                    write_results(a.out, tag, device, backbone, dict(settings, schedule=schedule), rows)
+
+                try:
+                    time_models(backbone, a.models, seq_len, a.micro_batch, num_microbatches, device, bf16, warmup,
+                                steps, eval_steps, interleave=interleave, on_progress=progress)
+                    break
+                except torch.cuda.OutOfMemoryError as e:
+                    why = str(e).splitlines()[0]
+                # here, after the except block, the traceback and the models its frames held are gone
+                print(f"    out of memory on {backbone.name} ({why})")
                 rows = None
                 free_memory(device)
+                if not interleave:
+                    break
+                    interleave = False  # the fallback: one model in memory at a time
+                    print("    retrying model after model", flush=True)
+            if rows is not None:
+                break
+            print("    trying a smaller backbone", flush=True)
         if rows is None:
             print("no backbone fits", file=sys.stderr)
             return 1
     for r in rows:
         f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-        print(f"{r['model']:11s} train {r['train_tok_s']:10.0f} tok/s  x{f(r['train_ratio'], '.2f')} of Dense "
+        print(f"{r['model']:11s} fwd+bwd {r['fwd_bwd_s']:.3f} s + optimizer {r['optimizer_s']:.3f} s a step; "
+              f"train {r['train_tok_s']:10.0f} tok/s  x{f(r['train_ratio'], '.2f')} of Dense "
               f"(ideal x{r['ideal_ratio']:.2f}, {f(r['train_fraction_of_ideal'], '.0%')})   "
               f"eval {r['eval_tok_s']:10.0f} tok/s x{f(r['eval_ratio'], '.2f')}")
     print(f"wrote {a.out}/throughput_{tag}.json and .md")
     return 0
+
+
+def make_row(model: str, backbone: Backbone, ideal: dict, result: dict) -> dict:
+    layout = parse_model(model, backbone).layout
+    return dict(model=model, layout=layout.notation, num_layers=layout.num_layers, ideal_ratio=ideal[model], **result)
 
 
 def write_results(out_dir, tag, device, backbone, settings, rows):

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
-STEPS = ["env", "wheels", "build", "tests", "memcheck", "racecheck", "permute", "ops", "throughput"]
+STEPS = ["env", "wheels", "build", "tests", "memcheck", "racecheck", "permute", "ops", "host", "throughput"]
 
 
 def test_step_caps_fit_nine_minutes():
@@ -50,3 +50,10 @@ def test_cpu_mode_runs_every_step(tmp_path):
     assert kernels[("xmod_sparse", "forward")] > kernels[("dense", "forward")] > 0
     throughput = json.loads((tmp_path / "throughput_cpu.json").read_text())["rows"]
     assert [r["model"] for r in throughput] == ["dense", "xmod-a4k8"]
+    assert all(r["train_microbatches_run"] == 2 * 2 and r["optimizer_s"] > 0 for r in throughput)
+    host = json.loads((tmp_path / "host_overhead_cpu.json").read_text())
+    assert [r["layer"] for r in host["layers"]] == ["dense", "xmod_sparse", "mod_sparse"]
+    assert [r["model"] for r in host["steps"]] == ["dense", "mod"]
+    assert {r["model"] for r in host["step_model"]} == {"dense", "mod", "xmod-a4k8", "xmod-a3k16"}
+    assert all(r["error"].startswith("skipped") for r in host["graphs"])  # no GPU here
+    assert [r["model"] for r in host["profiled"]] == ["dense", "mod"]

@@ -17,13 +17,37 @@ from megatron_xmod.presets import Backbone, parse_model  # noqa: E402
 
 
 @pytest.mark.slow
-def test_tiny_run_reports_consistent_numbers(megatron_parallel, tmp_path):
+def test_tiny_run_reports_consistent_numbers(megatron_parallel, tmp_path, monkeypatch):
     models = ["dense", "xmod-a4k8"]
-    assert throughput.main(["--tiny", "--activated-depth", "9", "--models", *models, "--out", str(tmp_path),
-                            "--tag", "t"]) == 0
+    # Count the micro-batches that really ran: every forward_step call, per model (the wrapped model
+    # megatron hands to forward_step is the one ModelRun built).
+    calls, order, forward_step = {}, [], throughput.forward_step
+    built = {}
+    real_init = throughput.ModelRun.__init__
+
+    def init(self, backbone, name, *args, **kwargs):
+        real_init(self, backbone, name, *args, **kwargs)
+        built[id(self.model)] = name
+
+    def counting_forward_step(data_iterator, model):
+        name = built[id(model)]
+        calls[name] = calls.get(name, 0) + 1
+        if not order or order[-1] != name:
+            order.append(name)
+        return forward_step(data_iterator, model)
+
+    monkeypatch.setattr(throughput.ModelRun, "__init__", init)
+    monkeypatch.setattr(throughput, "forward_step", counting_forward_step)
+    assert throughput.main(["--tiny", "--activated-depth", "9", "--models", *models, "--num-microbatches", "3",
+                            "--out", str(tmp_path), "--tag", "t"]) == 0
     data = json.loads((tmp_path / "throughput_t.json").read_text())
     meta, rows = data["meta"], {r["model"]: r for r in data["rows"]}
     assert list(rows) == models and meta["seq_len"] == 64 and meta["dtype"] == "fp32"
+    assert meta["num_microbatches"] == 3 and meta["schedule"].startswith("interleaved")
+    # 1 warm-up + 1 timed step of 3 micro-batches, then 1 + 1 evaluation steps of one micro-batch;
+    # round-robin: dense's step, then the X-MoD model's, then dense's again, ...
+    assert calls == {m: 2 * 3 + 2 for m in models}
+    assert order == models * 4
     backbone = Backbone(**meta["backbone"])
     assert backbone.num_layers == 9
     tokens = meta["seq_len"] * meta["micro_batch"]
@@ -34,7 +58,11 @@ def test_tiny_run_reports_consistent_numbers(megatron_parallel, tmp_path):
         assert r["num_layers"] == description.layout.num_layers and r["layout"] == description.layout.notation
         assert r["params"] == counted.total_params
         assert r["ideal_ratio"] == pytest.approx(counted.tokens_ratio_vs_dense)
-        assert r["train_tok_s"] == pytest.approx(tokens / statistics.median(r["train_step_s"]))
+        assert r["train_microbatches_run"] == 2 * 3 and r["eval_microbatches_run"] == 2
+        # fwd+bwd and the optimizer step are timed apart; a step is their sum, of 3 micro-batches' tokens
+        assert r["train_step_s"] == pytest.approx([a + b for a, b in zip(r["train_fwd_bwd_s"], r["train_optimizer_s"])])
+        assert r["fwd_bwd_s"] > 0 and r["optimizer_s"] > 0
+        assert r["train_tok_s"] == pytest.approx(3 * tokens / statistics.median(r["train_step_s"]))
         assert r["eval_tok_s"] == pytest.approx(tokens / statistics.median(r["eval_step_s"]))
         for phase in ("train", "eval"):
             ratio = r[f"{phase}_tok_s"] / rows["dense"][f"{phase}_tok_s"]
@@ -46,10 +74,29 @@ def test_tiny_run_reports_consistent_numbers(megatron_parallel, tmp_path):
     sparse = parse_model("xmod-a4k8", backbone).layout.num_sparse_layers
     assert xmod["selected_fraction"] == pytest.approx(1 / 8)  # top-k routes exactly L/K
     # Every sparse layer's routing step of every forward pass (training and top-k evaluation) went
-    # through megatron_xmod.xmod.kernels: 2 training passes (warm-up + timed), 2 evaluation passes.
-    assert sum(xmod["routing_step_calls"].values()) == sparse * 4
+    # through megatron_xmod.xmod.kernels: 2 training steps (warm-up + timed) of 3 micro-batches, 2 evaluation passes.
+    assert sum(xmod["routing_step_calls"].values()) == sparse * (2 * 3 + 2)
     text = (tmp_path / "throughput_t.md").read_text()
-    assert "| xmod-a4k8 | 37 |" in text and "FLOP-ideal" in text
+    assert "| xmod-a4k8 | 37 |" in text and "FLOP-ideal" in text and "optimizer s/step" in text
+
+
+def test_sequential_fallback_and_microbatch_default(megatron_parallel, tmp_path, monkeypatch):
+    """--sequential runs model after model; without --num-microbatches the CPU default is 4."""
+    order = []
+    forward_step = throughput.forward_step
+
+    def counting_forward_step(data_iterator, model):
+        order.append(id(model))
+        return forward_step(data_iterator, model)
+
+    monkeypatch.setattr(throughput, "forward_step", counting_forward_step)
+    assert throughput.main(["--tiny", "--activated-depth", "9", "--models", "dense", "mod", "--warmup", "0",
+                            "--sequential", "--out", str(tmp_path), "--tag", "s"]) == 0
+    data = json.loads((tmp_path / "throughput_s.json").read_text())
+    assert data["meta"]["num_microbatches"] == 4 and data["meta"]["schedule"].startswith("sequential")
+    assert [r["train_microbatches_run"] for r in data["rows"]] == [4, 4]
+    # model after model: all of dense's 4 + 2 forward calls, then all of MoD's
+    assert len(order) == 12 and len(set(order[:6])) == 1 and len(set(order[6:])) == 1 and order[0] != order[6]
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -57,6 +104,7 @@ def test_tiny_run_reports_consistent_numbers(megatron_parallel, tmp_path):
     (["--tiny", "--models", "dense", "moe"], "--models: \\['moe'\\] not among"),
     (["--device", "tpu"], "--device: 'tpu' is not cpu or cuda"),
     (["--backbone", "2b"], "backbone: '2b' is not one of"),
+    (["--tiny", "--num-microbatches", "0"], "--num-microbatches: at least 1"),
 ])
 def test_bad_arguments_fail_before_any_work(argv, match, capsys):
     with pytest.raises(SystemExit) as excinfo:
