@@ -12,7 +12,8 @@ routes 1/K of the tokens (as a trained router does; a fresh one routes about hal
 (argmax), the model's own ``XModCache``. Every timed configuration runs the models interleaved
 (model A, B, C, D, then again), medians of ``--repeats``.
 
-"decode before" is the same model with ``XModModel.decode_skips_unrouted = False``: every sparse layer
+Each repeat prefills once per model; both decode paths start from copies of that cache. "decode
+before" is the same model with ``XModModel.decode_skips_unrouted = False``: every sparse layer
 runs its router and selection at every step and reads the selection back from the device (the decode
 path before the run-ahead of ``XModModel._decode_sparse_run``).
 
@@ -22,6 +23,7 @@ tokens/s against prompt length) under ``--out``.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -108,16 +110,20 @@ def decode(model, token, cache, steps: int):
     return torch.cat(out, dim=1)
 
 
-def time_one(model, prompt, new_tokens: int, device):
+def time_prefill(model, prompt, device):
     _sync(device)
     start = time.perf_counter()
     token, cache = prefill(model, prompt)
     _sync(device)
-    middle = time.perf_counter()
+    return time.perf_counter() - start, token, cache
+
+
+def time_decode(model, token, cache, new_tokens: int, device):
+    _sync(device)
+    start = time.perf_counter()
     generated = decode(model, token, cache, new_tokens)
     _sync(device)
-    end = time.perf_counter()
-    return middle - start, end - middle, cache, generated
+    return time.perf_counter() - start, generated
 
 
 def syncs_per_token(model, prompt, steps: int) -> float:
@@ -146,12 +152,17 @@ def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device
             prompt = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(2)).to(device)
             times = {(name, path): ([], []) for name in models for path in ("after", "before")}
             outputs = {}
+            for name in models:  # warm-up, untimed: first calls allocate and pick kernels
+                token, cache = prefill(built[name][0], prompt[:, :64])
+                decode(built[name][0], token, cache, 2)
             for _ in range(repeats):
                 for name in models:  # interleaved
                     model = built[name][0]
+                    pre, token, prefilled = time_prefill(model, prompt, device)
                     for path in ("after", "before") if name != "dense" else ("after",):
                         model.model.decode_skips_unrouted = path == "after"
-                        pre, dec, cache, generated = time_one(model, prompt, new_tokens, device)
+                        cache = copy.deepcopy(prefilled)  # both paths decode from the same prefill
+                        dec, generated = time_decode(model, token, cache, new_tokens, device)
                         times[name, path][0].append(pre)
                         times[name, path][1].append(dec)
                         outputs[name, path] = (cache, generated)
