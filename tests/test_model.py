@@ -61,7 +61,9 @@ def _capture_routing(monkeypatch):
 
     def spy(logits, sparsity_k, rule, carried_bias=None, tau=0.0, *args, **kwargs):
         step = original(logits, sparsity_k, rule, carried_bias, tau, *args, **kwargs)
-        calls.append(dict(logits=logits.detach(), bias=carried_bias, decision=step.decision))
+        # the carried bias is the routing state's hand-over buffer, which the layer overwrites in place
+        calls.append(dict(logits=logits.detach(), bias=None if carried_bias is None else carried_bias.clone(),
+                          decision=step.decision))
         return step
 
     monkeypatch.setattr(layers_module, "routing_step", spy)
