@@ -139,3 +139,43 @@ def test_a_replayed_sparse_block_leaves_the_state_of_an_eager_run(seeded, monkey
         wrong.append("token-choice bias hand-over: " + ("the replay left none" if replayed["handover"] is None
                                                         else "different bias or routed set"))
     assert not wrong, "the replay left another routing state than an eager run: " + "; ".join(wrong)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(cuda_graph_impl="local", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+     "recompute_granularity"),
+    (dict(cuda_graph_impl="transformer_engine", xmod_token_choice_bias_tau_warmup=10), "xmod_token_choice_bias_tau_warmup"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["attn"]), "cuda_graph_modules"),
+    (dict(cuda_graph_impl="full_iteration"), "cuda_graph_impl"),
+])
+def test_a_configuration_that_cannot_be_captured_is_refused_with_the_reason(overrides, field):
+    from megatron_xmod.model import config_from_backbone
+
+    with pytest.raises(ValueError, match=rf"^{field}: .+; .*(drop --cuda-graph-impl|use --cuda-graph-impl)"):
+        config_from_backbone(TINY, "D + S4*2 + D", use_cpu_initialization=True, **overrides)
+
+
+def test_routed_layers_are_graphable_in_training_and_eager_in_evaluation(seeded, capsys):
+    """Under --cuda-graph-impl the routed layers say that evaluation runs eagerly, take megatron's graph
+    path in training only, are captured whole by TE (one output tensor), and save their own router input
+    (the router-input chain's weak references cannot cross graphs). megatron's local CudaGraphManager
+    needs a CUDA RNG tracker, so its path is checked through the layer's hook only."""
+    from megatron_xmod.xmod.config import _GRAPH_NOTE
+
+    _GRAPH_NOTE.discard("transformer_engine")
+    model, _ = tiny_model("D + S4*2 + D", cuda_graph_impl="transformer_engine")
+    assert "evaluation runs them eagerly" in capsys.readouterr().out
+    layer = sparse_layers(model)[0]
+    layer.cudagraph_manager = object()  # what GraphableMegatronModule gives a layer under "local"
+    layer.train()
+    assert layer._should_call_local_cudagraph(torch.zeros(1), attention_mask=None)
+    layer.eval()
+    assert not layer._should_call_local_cudagraph(torch.zeros(1), attention_mask=None)
+    del layer.cudagraph_manager
+    layer.train()
+    x = torch.randn(SEQ, BATCH, TINY.hidden_size, requires_grad=True)
+    (out,) = layer._te_cuda_graph_capture(x, attention_mask=None, rotary_pos_emb=model.rotary_pos_emb(SEQ))
+    assert out.shape == x.shape
+    assert layer.routing_state.router_inputs._layer_number is None  # no chain handed on
+    out.sum().backward()
+    assert layer.router.weight.grad is not None

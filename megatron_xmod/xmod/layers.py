@@ -23,7 +23,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_xmod.xmod.config import check_routing_compatibility
+from megatron_xmod.xmod.config import check_cuda_graph_compatibility, check_routing_compatibility
 from megatron_xmod.xmod.kernels import routing_step
 from megatron_xmod.xmod.permute import gather_tokens, scatter_gated
 from megatron_xmod.xmod.routing import (
@@ -153,9 +153,10 @@ class XModSparseLayer(TransformerLayer):
                        "eval_selected_fraction", "eval_coverage", "eval_adjacent_jaccard", "nonfinite_router_logits")
 
     def __init__(self, config, submodules, layer_number: int = 1, *, routing: SparseLayerRouting, **kwargs):
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
         if not isinstance(routing, SparseLayerRouting):
             raise TypeError(f"routing: expected a SparseLayerRouting in the layer spec params, got {type(routing).__name__}")
+        check_cuda_graph_compatibility(config, routing.token_choice_bias_tau_warmup)  # before megatron's graph setup
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
         check_routing_compatibility(config, routing.token_choice_bias_tau)
         self.routing = routing
         self.routing_state: Optional[RoutingState] = None
@@ -235,6 +236,25 @@ class XModSparseLayer(TransformerLayer):
         if chain is not None:  # the next routed layer of the block rebuilds its router input from these rows
             state.router_inputs.put(self.layer_number, chain, output, self._written_rows(decision, hidden_states.shape[0]))
         return output, context
+
+    # --- megatron's CUDA graphs (--cuda-graph-impl local | transformer_engine) -----------------------
+    # What the layer reads and writes besides its inputs and outputs lives in the routing state's
+    # preallocated buffers, written in place (megatron_xmod.xmod.routing_state), so megatron may capture
+    # the whole layer and replay it; the configurations it cannot replay are refused when the layer is
+    # built (check_cuda_graph_compatibility). Evaluation (the threshold rule) runs eagerly.
+    def _should_call_local_cudagraph(self, *args, **kwargs):
+        return self.training and super()._should_call_local_cudagraph(*args, **kwargs)
+
+    def _te_cuda_graph_capture(self, *args, **kwargs):
+        """TE captures the layer's forward as a whole (TransformerLayer's splits attention and MLP)."""
+        output, _ = self.forward(*args, **kwargs)
+        return (output,)
+
+    def _te_cuda_graph_replay(self, *args, **kwargs):
+        from megatron.core.transformer.module import GraphableMegatronModule
+
+        outputs = GraphableMegatronModule._te_cuda_graph_replay(self, *args, **kwargs)
+        return (outputs[0] if isinstance(outputs, (tuple, list)) else outputs), None
 
     # --- router, token-choice bias, sequence parallelism -------------------------------------------
     def _routing_parameters(self):
