@@ -25,7 +25,8 @@ it as an alias of the recorded tensor that owns that storage now.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree

@@ -58,7 +58,6 @@ import torch.nn.functional as F
 
 from megatron_xmod.xmod.routing import check_eval_rule
 
-
 NONFINITE = "nonfinite_router_logits"
 # Hidden columns of the statistics table: a recorder writes the number of finite router logits and the
 # number of logits (a constant), and the non-finite count is their difference when read (one op less
