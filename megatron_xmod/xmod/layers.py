@@ -380,17 +380,21 @@ class XModSparseLayer(TransformerLayer):
         """All routing statistics of this call in one write to the routing state's table (one stack, one
         ``index_add_``), no host sync: the non-finite router-logit count, selected fraction, coverage,
         adjacent-layer Jaccard, router BCE, and the BCE as the micro-batch's router loss. What is known
-        statically costs no op: top-k selects exactly k = L/K tokens of each sequence."""
+        statically costs no op: top-k selects exactly k = L/K tokens of each sequence, and the fractions'
+        denominators (the number of tokens) are cached constants."""
         prefix = "" if self.training else "eval_"  # eval_*: the deployable (threshold) rule at validation
         selected, device, tokens = decision.selected, logits.device, bias.numel()
         names, values = state.nonfinite_values(logits)
         names += (prefix + "selected_fraction", prefix + "coverage")
-        topk = decision.topk_indices
-        fraction = (state.constant(topk.shape[0] / selected.shape[0], device) if topk is not None
-                    else selected.sum() / tokens)
-        values += [fraction, torch.count_nonzero(bias) / tokens]  # b >= 0: covered tokens have b > 0
+        topk, total = decision.topk_indices, state.constant(tokens, device)
+        # Fractions as (tokens, total) pairs: the table divides when it is read (the mean over tokens).
+        # exactly k of each sequence's L tokens under top-k
+        values.append(state.constant(topk.numel(), device) if topk is not None else selected.sum())
+        values.append(torch.count_nonzero(bias))  # b >= 0: the covered tokens are those with b > 0
+        counts = [None, None, total, total]
         if previous_selected is not None:
             names += (prefix + "adjacent_jaccard",)
+            counts.append(None)
             if topk is not None:  # the union holds this layer's k >= 1 tokens a sequence: never empty
                 values.append((previous_selected & selected).sum() / (previous_selected | selected).sum())
             else:
@@ -398,4 +402,5 @@ class XModSparseLayer(TransformerLayer):
         if bce is not None:
             names += ("router_bce_loss",)
             values.append(bce)
-        state.record_values(self.layer_number, names, values, microbatch_loss=bce)
+            counts.append(None)
+        state.record_values(self.layer_number, names, values, microbatch_loss=bce, counts=counts)

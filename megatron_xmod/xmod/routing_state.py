@@ -212,9 +212,12 @@ class RoutingState:
             observer(layer_number, logits, decision)
 
     # --- statistics ---------------------------------------------------------------------------------
-    def record_values(self, layer_number: int, names: tuple, values: list, microbatch_loss=None) -> None:
+    def record_values(self, layer_number: int, names: tuple, values: list, microbatch_loss=None,
+                      counts: Optional[list] = None) -> None:
         """Add one call's 0-d ``values`` of the metrics ``names`` (and count them), and its micro-batch
-        router loss, with one stack and one in-place ``index_add_``; no host sync. ``NONFINITE`` is
+        router loss, with one stack and one in-place ``index_add_``; no host sync. ``counts``: what each
+        value adds to its count (None: 1, one call); a fraction can be written as (number of tokens,
+        :meth:`constant` total) and saves the division: its mean is then over tokens. ``NONFINITE`` is
         written as the pair (finite count, number of logits): see :meth:`nonfinite_values`."""
         if not self.recording:
             names, values = (), []
@@ -225,7 +228,8 @@ class RoutingState:
         device = (values[0] if names else microbatch_loss).device
         index = self._index(layer_number, names, microbatch_loss is not None, device)
         one = self.constant(1.0, device)
-        parts = [value.detach() for value in values] + [one] * len(names)
+        counts = [one] * len(names) if counts is None else [one if c is None else c for c in counts]
+        parts = [value.detach() for value in values] + counts
         if microbatch_loss is not None:
             parts += [microbatch_loss.detach(), one]
         self._stats.index_add_(0, index, torch.stack(parts))
@@ -283,7 +287,8 @@ class RoutingState:
         return layers, sums[:, self._column[_LOGITS]] - sums[:, self._column[_FINITE]]
 
     def items(self):
-        """((name, layer_number), (sum, count)) of the interval so far, on the host (one read)."""
+        """((name, layer_number), (sum, count)) of the interval so far, on the host (one read). The
+        count is the number of calls, or of tokens for a fraction written per token (the mean is sum / count)."""
         if self._stats is None:
             return iter(())
         table = self._table().detach().cpu()
@@ -293,9 +298,10 @@ class RoutingState:
                 if name == _LOGITS:
                     continue
                 c = self._column[name]
-                count = int(table[r, 1, c].item())
+                count = table[r, 1, c].item()
                 if not count:
                     continue
+                count = int(count) if count == int(count) else count
                 value = table[r, 0, c]
                 if name == _FINITE:
                     name, value = NONFINITE, table[r, 0, self._column[_LOGITS]] - value
