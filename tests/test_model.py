@@ -60,8 +60,10 @@ def _capture_routing(monkeypatch):
     original = layers_module.routing_step
 
     def spy(logits, sparsity_k, rule, carried_bias=None, tau=0.0, *args, **kwargs):
+        # the carried bias is the routing state's hand-over buffer, which the step overwrites in place
+        carried = None if carried_bias is None else carried_bias.clone()
         step = original(logits, sparsity_k, rule, carried_bias, tau, *args, **kwargs)
-        calls.append(dict(logits=logits.detach(), bias=carried_bias, decision=step.decision))
+        calls.append(dict(logits=logits.detach(), bias=carried, decision=step.decision))
         return step
 
     monkeypatch.setattr(layers_module, "routing_step", spy)

@@ -118,10 +118,11 @@ class DTopPRouter(TopKRouter):
         logits = logits.view(-1, self.config.num_moe_experts)
         if padding_mask is not None:
             padding_mask = padding_mask.reshape(-1)
-        if self.layer_number is not None and self.routing_state is not None:
+        state = self.routing_state if self.layer_number is not None else None
+        if state is not None:
             # NaN/Inf gate logits route silently (softmax -> NaN, top-p keeps the first expert); counted
             # on the device, turned into a NaN loss naming the layer by the forward step.
-            self.routing_state.record("nonfinite_router_logits", self.layer_number, (~torch.isfinite(logits)).sum())
+            names, values = state.nonfinite_values(logits)
         # Router z-loss acts on the raw gate logits W x (paper Eq.14); megatron's, coefficient
         # moe_z_loss_coeff, logged as "z_loss".
         logits = self.apply_z_loss(logits, padding_mask=padding_mask)
@@ -130,17 +131,22 @@ class DTopPRouter(TopKRouter):
         valid = None if padding_mask is None else (~padding_mask).unsqueeze(-1)
         selected = routing_map if valid is None else routing_map & valid
         training_step = self.training and torch.is_grad_enabled()
+        dynamic = None
         if training_step:
-            probs = self._apply_topp_losses(probs, scores, selected, valid)
+            probs, dynamic = self._apply_topp_losses(probs, scores, selected, valid)
         if training_step and self.controlled:
             with torch.no_grad():
                 # The process variable counts selections before any capacity drop: it is what p controls.
                 self.dtopp_active_sum += selected.sum()
                 self.dtopp_token_count += selected.shape[0] if valid is None else valid.sum()
-        if self.layer_number is not None and self.routing_state is not None:
+        if state is not None:  # this call's statistics in one write (one stack, one index_add_), no host sync
             tokens = selected.shape[0] if valid is None else valid.sum().clamp(min=1)
-            self.routing_state.record("dtopp_active_experts", self.layer_number, selected.sum() / tokens)
-            self.routing_state.record("dtopp_threshold", self.layer_number, self.dtopp_threshold[0])
+            names += ("dtopp_active_experts", "dtopp_threshold")
+            values += [selected.sum() / tokens, self.dtopp_threshold[0]]
+            if dynamic is not None:
+                names += ("dtopp_dynamic_loss",)
+                values.append(dynamic)
+            state.record_values(self.layer_number, names, values)
         if self.config.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_router_token_dropping(
                 probs, routing_map, router_topk=self.topk, capacity_factor=self.config.moe_expert_capacity_factor,
@@ -183,9 +189,8 @@ class DTopPRouter(TopKRouter):
             if self.calculate_per_token_loss:
                 dynamic_loss = dynamic_loss * num_tokens * self.tp_cp_group.size()
             probs = MoEAuxLossAutoScaler.apply(probs, dynamic_loss)
-            if self.layer_number is not None and self.routing_state is not None:
-                self.routing_state.record("dtopp_dynamic_loss", self.layer_number, mean_entropy * dl_coeff)
-        return probs
+            return probs, mean_entropy * dl_coeff
+        return probs, None
 
 
 def _at_least_one(num_tokens):

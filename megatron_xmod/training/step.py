@@ -32,9 +32,13 @@ NONFINITE = "nonfinite_router_logits"
 
 
 def nonfinite_totals(model) -> dict[int, torch.Tensor]:
-    """{layer number: running count of non-finite router logits} of ``model``'s routing states."""
-    return {layer: value for state in routing_states(model) for (name, layer), (value, _) in state.items()
-            if name == NONFINITE}
+    """{layer number: running count of non-finite router logits} of ``model``'s routing states (a
+    snapshot on the device, no host sync)."""
+    totals = {}
+    for state in routing_states(model):
+        layers, sums = state.nonfinite_sums()
+        totals.update(zip(layers, sums.unbind()) if layers else ())
+    return totals
 
 
 def nonfinite_since(model, before: dict[int, torch.Tensor]) -> Optional[tuple[list[int], torch.Tensor]]:

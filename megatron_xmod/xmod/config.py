@@ -74,6 +74,8 @@ class XModConfig(TransformerConfig):
     layer_layout: Optional[Layout] = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
+        if self.xmod_routing_family != "dense":  # before megatron's own CUDA-graph asserts, with the reason
+            check_cuda_graph_compatibility(self, self.xmod_token_choice_bias_tau_warmup)
         super().__post_init__()
         self._validate_xmod()
 
@@ -112,6 +114,48 @@ class XModConfig(TransformerConfig):
             gate_scale_learnable=self.xmod_gate_scale_learnable,
             token_choice_bias_tau_warmup=self.xmod_token_choice_bias_tau_warmup,
         )
+
+
+_GRAPH_NOTE: set = set()
+
+
+def check_cuda_graph_compatibility(config, token_choice_bias_tau_warmup: int = 0) -> None:
+    """megatron's per-layer CUDA graphs (``--cuda-graph-impl local|transformer_engine``) with routed
+    layers: refuse, by field name, what a captured routed layer cannot replay. Training (top-k routing)
+    is captured; evaluation (the threshold rule selects a data-dependent number of tokens) runs eagerly.
+    See docs/routing.md, "Routing state"."""
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl == "none":
+        return
+    fix = f"or drop --cuda-graph-impl {impl}"
+    if impl == "full_iteration":
+        raise ValueError("cuda_graph_impl: full_iteration captures the forward step too, whose non-finite router-logit "
+                         "check and routing statistics are read on the host; use --cuda-graph-impl local or "
+                         "transformer_engine (per-layer graphs)")
+    if getattr(config, "recompute_granularity", None) == "full":
+        raise ValueError("recompute_granularity: full activation recompute and per-layer CUDA graphs do not combine "
+                         "(megatron refuses them; a routed layer's recompute replays its token-choice bias from a "
+                         f"Python queue); use --recompute-granularity selective or none, {fix}")
+    modules = getattr(config, "cuda_graph_modules", None) or []
+    modules = [modules] if isinstance(modules, str) else list(modules)
+    if any(str(getattr(module, "name", module)).lower() != "full" for module in modules):  # "full": the whole layer
+        raise ValueError("cuda_graph_modules: a routed layer is captured whole (its attention and MLP run on the "
+                         "routed tokens only, between the router and the gated scatter); leave --cuda-graph-modules "
+                         f"empty (the whole layer), {fix}")
+    if getattr(config, "sequence_parallel", False):
+        raise ValueError("sequence_parallel: the sequence-parallel routed update has data-dependent shapes (the routed "
+                         f"tokens each rank holds), which a CUDA graph cannot replay; drop --sequence-parallel, {fix}")
+    if getattr(config, "fp16", False):
+        raise ValueError("fp16: the router loss's backward reads megatron's dynamic loss scale, which changes between "
+                         f"iterations outside the graph; use --bf16, {fix}")
+    if token_choice_bias_tau_warmup:
+        raise ValueError("xmod_token_choice_bias_tau_warmup: the warm-up changes tau every iteration and a captured "
+                         "layer replays the tau it was captured with; set --xmod-token-choice-bias-tau-warmup 0, "
+                         f"{fix}")
+    if impl not in _GRAPH_NOTE:
+        _GRAPH_NOTE.add(impl)
+        print(f"[xmod] --cuda-graph-impl {impl}: routed layers are captured for training (top-k routing); "
+              "evaluation runs them eagerly (the threshold rule routes a data-dependent number of tokens)", flush=True)
 
 
 def check_routing_compatibility(config: TransformerConfig, token_choice_bias_tau: float) -> None:

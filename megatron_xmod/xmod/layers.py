@@ -23,7 +23,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_xmod.xmod.config import check_routing_compatibility
+from megatron_xmod.xmod.config import check_cuda_graph_compatibility, check_routing_compatibility
 from megatron_xmod.xmod.kernels import routing_step
 from megatron_xmod.xmod.permute import gather_tokens, scatter_gated
 from megatron_xmod.xmod.routing import (
@@ -141,6 +141,10 @@ def _padding_mask(valid: Optional[torch.Tensor]):
     return ~allowed.unsqueeze(1)
 
 
+def _cuda_graphs(config) -> bool:
+    return getattr(config, "cuda_graph_impl", "none") not in (None, "none")
+
+
 class XModSparseLayer(TransformerLayer):
     """``routing`` (spec params) says how this layer routes; ``routing_state`` is the built model
     chunk's :class:`~megatron_xmod.xmod.routing_state.RoutingState`, attached after the build."""
@@ -149,9 +153,10 @@ class XModSparseLayer(TransformerLayer):
                        "eval_selected_fraction", "eval_coverage", "eval_adjacent_jaccard", "nonfinite_router_logits")
 
     def __init__(self, config, submodules, layer_number: int = 1, *, routing: SparseLayerRouting, **kwargs):
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
         if not isinstance(routing, SparseLayerRouting):
             raise TypeError(f"routing: expected a SparseLayerRouting in the layer spec params, got {type(routing).__name__}")
+        check_cuda_graph_compatibility(config, routing.token_choice_bias_tau_warmup)  # before megatron's graph setup
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
         check_routing_compatibility(config, routing.token_choice_bias_tau)
         self.routing = routing
         self.routing_state: Optional[RoutingState] = None
@@ -189,14 +194,12 @@ class XModSparseLayer(TransformerLayer):
         carried_bias, previous_selected = self._take_bias(state, (seq_len, batch), phase)
         rule = "topk" if self.training else state.eval_rule
         tau = routing.effective_tau(state.iteration)  # during a training run the warm-up's value, else the full tau
+        # The updated bias goes straight into the hand-over buffer (in place; a recompute replay keeps its own).
+        bias_out = None if phase == "replay" else state.bias_buffers((seq_len, batch), logits.device)[0]
         # Eq.(8) adjustment, top-k in position order, bias update: one fused kernel on GPU (megatron_xmod.xmod.kernels).
         decision, bias, gate = routing_step(logits, routing.sparsity_k, rule, carried_bias, tau,
-                                            routing.token_choice_bias_increment)
+                                            routing.token_choice_bias_increment, bias_out=bias_out)
         state.observe(self.layer_number, logits, decision)
-        state.record("nonfinite_router_logits", self.layer_number, (~torch.isfinite(logits)).sum())  # no host sync
-        state.put_bias(self.layer_number, bias, decision.selected)
-        if phase != "replay":  # a recomputed layer was recorded in its first pass
-            self._record_metrics(state, decision, bias, previous_selected)
 
         if decision.topk_indices is not None:
             output = self._routed_update(hidden_states, decision.topk_indices, decision.scores, rotary_pos_emb,
@@ -217,13 +220,14 @@ class XModSparseLayer(TransformerLayer):
                                self._routed_update(x, indices, decision.scores[:, j : j + 1], rotary_pos_emb))
             output = torch.cat(columns, dim=1)
 
+        bce = None
         if self.training and routing.router_bce_coeff > 0:
             bce = router_bce_loss(decision.scores, decision.selected)
-            if phase != "replay":
-                state.record("router_bce_loss", self.layer_number, bce)
-                state.add_microbatch_loss(bce)
             output = RouterLossAutoScaler.apply(output, routing.router_bce_coeff * self._local_share(bce, decision),
                                                 self.config, seq_len * batch)
+        if phase != "replay":  # a recomputed layer was recorded in its first pass
+            self._record_metrics(state, logits, decision, bias, previous_selected, bce)
+            state.put_bias(self.layer_number, bias, decision.selected)  # bias is the buffer: copies the routed set
         # What megatron's TransformerLayer returns: a tensor that is no view (the autoscaler above hands
         # its input back as a view of it, the sequence-parallel path reshapes, a layer that routes nothing
         # returns its input, which may be one). Megatron's pipeline frees a stage's output with deallocate_output_tensor,
@@ -232,6 +236,25 @@ class XModSparseLayer(TransformerLayer):
         if chain is not None:  # the next routed layer of the block rebuilds its router input from these rows
             state.router_inputs.put(self.layer_number, chain, output, self._written_rows(decision, hidden_states.shape[0]))
         return output, context
+
+    # --- megatron's CUDA graphs (--cuda-graph-impl local | transformer_engine) -----------------------
+    # What the layer reads and writes besides its inputs and outputs lives in the routing state's
+    # preallocated buffers, written in place (megatron_xmod.xmod.routing_state), so megatron may capture
+    # the whole layer and replay it; the configurations it cannot replay are refused when the layer is
+    # built (check_cuda_graph_compatibility). Evaluation (the threshold rule) runs eagerly.
+    def _should_call_local_cudagraph(self, *args, **kwargs):
+        return self.training and super()._should_call_local_cudagraph(*args, **kwargs)
+
+    def _te_cuda_graph_capture(self, *args, **kwargs):
+        """TE captures the layer's forward as a whole (TransformerLayer's splits attention and MLP)."""
+        output, _ = self.forward(*args, **kwargs)
+        return (output,)
+
+    def _te_cuda_graph_replay(self, *args, **kwargs):
+        from megatron.core.transformer.module import GraphableMegatronModule
+
+        outputs = GraphableMegatronModule._te_cuda_graph_replay(self, *args, **kwargs)
+        return (outputs[0] if isinstance(outputs, (tuple, list)) else outputs), None
 
     # --- router, token-choice bias, sequence parallelism -------------------------------------------
     def _routing_parameters(self):
@@ -243,7 +266,10 @@ class XModSparseLayer(TransformerLayer):
     def _router_logits(self, hidden_states):
         """Router logits [s, b] in fp32 over the whole sequence, and the router-input chain of the
         block (megatron_xmod.xmod.routing_state: the full-length input is saved once per block, not per layer)."""
-        logits, chain = router_logits(self.router, hidden_states, self.routing_state.router_inputs, self.layer_number)
+        # Under CUDA graphs each layer is captured on its own, from a static input buffer: the chain (weak
+        # references checked in Python) cannot cross graphs, so every layer saves its own router input.
+        chain_handover = None if _cuda_graphs(self.config) else self.routing_state.router_inputs
+        logits, chain = router_logits(self.router, hidden_states, chain_handover, self.layer_number)
         logits = logits.squeeze(-1).float()
         if self.config.sequence_parallel:
             # L scalars per sequence: every TP rank gets them all and makes the same selection; the
@@ -252,12 +278,14 @@ class XModSparseLayer(TransformerLayer):
         return logits, chain
 
     def _take_bias(self, state: RoutingState, shape, phase):
-        """The carried token-choice bias; under full recompute the replay gets what the first pass took."""
+        """The carried token-choice bias and routed set of the previous sparse layer of the block (the
+        routing state's hand-over buffers; (None, None) for the block's first sparse layer); under full
+        recompute the replay gets a copy of what the first pass took."""
         if phase == "replay":
             return state.recompute_replay.pop(self.layer_number)
         carried = state.take_bias(self.layer_number, shape)
-        if phase == "first":
-            state.recompute_replay.push(self.layer_number, carried)
+        if phase == "first":  # the buffers are overwritten by the next micro-batch: the replay keeps a copy
+            state.recompute_replay.push(self.layer_number, tuple(None if t is None else t.clone() for t in carried))
         return carried
 
     def _local_share(self, loss, decision):
@@ -365,10 +393,31 @@ class XModSparseLayer(TransformerLayer):
             output = output + bias
         return F.dropout(output, p=self.hidden_dropout, training=self.training)
 
-    def _record_metrics(self, state: RoutingState, decision, bias, previous_selected) -> None:
+    def _record_metrics(self, state: RoutingState, logits, decision, bias, previous_selected, bce) -> None:
+        """All routing statistics of this call in one write to the routing state's table (one stack, one
+        ``index_add_``), no host sync: the non-finite router-logit count, selected fraction, coverage,
+        adjacent-layer Jaccard, router BCE, and the BCE as the micro-batch's router loss. What is known
+        statically costs no op: top-k selects exactly k = L/K tokens of each sequence, and the fractions'
+        denominators (the number of tokens) are cached constants."""
         prefix = "" if self.training else "eval_"  # eval_*: the deployable (threshold) rule at validation
-        selected = decision.selected
-        state.record(prefix + "selected_fraction", self.layer_number, selected.float().mean())
-        state.record(prefix + "coverage", self.layer_number, (bias > 0).float().mean())
+        selected, device, tokens = decision.selected, logits.device, bias.numel()
+        names, values = state.nonfinite_values(logits)
+        names += (prefix + "selected_fraction", prefix + "coverage")
+        topk, total = decision.topk_indices, state.constant(tokens, device)
+        # Fractions as (tokens, total) pairs: the table divides when it is read (the mean over tokens).
+        # exactly k of each sequence's L tokens under top-k
+        values.append(state.constant(topk.numel(), device) if topk is not None else selected.sum())
+        values.append(torch.count_nonzero(bias))  # b >= 0: the covered tokens are those with b > 0
+        counts = [None, None, total, total]
         if previous_selected is not None:
-            state.record(prefix + "adjacent_jaccard", self.layer_number, jaccard_tensor(previous_selected, selected))
+            names += (prefix + "adjacent_jaccard",)
+            counts.append(None)
+            if topk is not None:  # the union holds this layer's k >= 1 tokens a sequence: never empty
+                values.append((previous_selected & selected).sum() / (previous_selected | selected).sum())
+            else:
+                values.append(jaccard_tensor(previous_selected, selected))
+        if bce is not None:
+            names += ("router_bce_loss",)
+            values.append(bce)
+            counts.append(None)
+        state.record_values(self.layer_number, names, values, microbatch_loss=bce, counts=counts)

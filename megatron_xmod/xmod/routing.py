@@ -136,9 +136,15 @@ def padded_selection(selected: torch.Tensor):
 
 
 def update_token_choice_bias(
-    token_choice_bias: Optional[torch.Tensor], selected: torch.Tensor, increment: float
+    token_choice_bias: Optional[torch.Tensor], selected: torch.Tensor, increment: float,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """b_i += increment for every selected token (Eq.8)."""
+    """b_i += increment for every selected token (Eq.8). ``out``: a float32 buffer to write the new b
+    into (it may be ``token_choice_bias`` itself), one op either way."""
+    if out is not None:
+        if token_choice_bias is None:
+            return torch.mul(selected, increment, out=out)
+        return torch.add(token_choice_bias, selected, alpha=increment, out=out)
     step = selected.to(torch.float32) * increment
     return step if token_choice_bias is None else token_choice_bias + step
 

@@ -58,14 +58,34 @@ import torch.nn.functional as F
 
 from megatron_xmod.xmod.routing import check_eval_rule
 
+NONFINITE = "nonfinite_router_logits"
+# Hidden columns of the statistics table: a recorder writes the number of finite router logits and the
+# number of logits (a constant), and the non-finite count is their difference when read (one op less
+# per layer than counting the non-finite ones on the device).
+_FINITE, _LOGITS = "_finite_router_logits", "_router_logits"
+
 
 class RoutingState:
+    """What crosses layers and steps in one built model chunk, in device buffers written in place.
+
+    A recorder's forward reads and writes only tensors that exist before it runs (allocated at the
+    chunk's first forward, or when a new [s, b] shape is first seen), so a CUDA graph that captured
+    the layer and replays it leaves exactly the state an eager run does:
+
+    - the token-choice bias hand-over: per [s, b] shape, a float32 bias buffer and a bool routed-set
+      buffer; a sparse layer writes its updated bias and routed set into them and the next sparse
+      layer of the block reads them (:meth:`take_bias`);
+    - the interval statistics: one float32 table [layers, 2, metrics] (sums, then counts) to which a
+      recorder adds all its values of one call with one ``torch.stack`` and one ``index_add_``
+      (:meth:`record_values`); the table's last two entries accumulate the micro-batch's router
+      losses (sum, count), taken by :func:`take_microbatch_loss`.
+
+    Layers and metrics are registered by :func:`attach_routing_state` (or by a recorder's first
+    forward: the table then grows, before any capture).
+    """
+
     def __init__(self, eval_rule: str = "threshold"):
         self.eval_rule = check_eval_rule(eval_rule)
-        self._bias_handover: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
-        self._sums: dict[tuple[str, int], torch.Tensor] = {}
-        self._counts: dict[tuple[str, int], int] = defaultdict(int)
-        self._microbatch_losses: list[torch.Tensor] = []
         # Training iteration being run (set_iteration, called by the entry point's forward step with
         # megatron's args.curr_iteration): the token-choice bias warm-up reads it. None outside training:
         # a trained model, full tau.
@@ -79,60 +99,214 @@ class RoutingState:
         # Routed layers' activation-memory and full-recompute hand-overs (megatron_xmod.xmod.routing_state).
         self.router_inputs = RouterInputChain()
         self.recompute_replay = RecomputeReplay()
+        # registry: table rows (layer numbers) and columns (metric names)
+        self._layers: list[int] = []
+        self._row: dict[int, int] = {}
+        self._names: list[str] = []
+        self._column: dict[str, int] = {}
+        self._layer_names: dict[int, set[str]] = defaultdict(set)
+        self._loss_layers: set[int] = set()  # layers that add micro-batch router losses
+        self._bias_sources: set[int] = set()  # layers whose bias the hand-over buffers hold for the next one
+        # device buffers
+        self._stats: Optional[torch.Tensor] = None  # [rows * 2 * metrics + 2] float32
+        self._handover: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (shape, device) -> (bias, selected)
+        self._indices: dict[tuple, torch.Tensor] = {}
+        self._constants: dict[tuple, torch.Tensor] = {}
+
+    # --- registry and buffers -----------------------------------------------------------------------
+    def register(self, layer_number: int, names: Iterable[str]) -> None:
+        """Give ``layer_number`` a row and ``names`` columns of the statistics table (idempotent)."""
+        names = [n for name in names for n in ((_FINITE, _LOGITS) if name == NONFINITE else (name,))]
+        new_row = layer_number not in self._row
+        new_names = [name for name in names if name not in self._column]
+        self._layer_names[layer_number].update(names)
+        if not (new_row or new_names):
+            return
+        old_layers, old_names, old = list(self._layers), list(self._names), self._stats
+        if new_row:
+            self._row[layer_number] = len(self._layers)
+            self._layers.append(layer_number)
+        for name in new_names:
+            self._column[name] = len(self._names)
+            self._names.append(name)
+        self._indices.clear()
+        if old is not None:  # grow (before any capture: registration completes in the first forward)
+            self._stats = None
+            self._allocate(old.device)
+            rows, cols = len(old_layers), len(old_names)
+            self._table()[:rows, :, :cols].copy_(old[:-2].view(rows, 2, cols))
+            self._stats[-2:].copy_(old[-2:])
+
+    def _allocate(self, device) -> None:
+        if self._stats is None or self._stats.device != torch.device(device):
+            self._stats = torch.zeros(len(self._layers) * 2 * len(self._names) + 2, dtype=torch.float32, device=device)
+            self._indices.clear()
+            self._constants.clear()
+
+    def _table(self) -> torch.Tensor:
+        """The statistics as [layers, 2 (sum, count), metrics], a view of the buffer."""
+        return self._stats[:-2].view(len(self._layers), 2, len(self._names))
+
+    def constant(self, value: float, device) -> torch.Tensor:
+        """A 0-d float32 device tensor holding ``value``, created once (a value known statically that a
+        recorder writes, such as the selected fraction of top-k or the number of router logits)."""
+        key = (float(value), str(device))
+        tensor = self._constants.get(key)
+        if tensor is None:
+            tensor = self._constants[key] = torch.tensor(float(value), dtype=torch.float32, device=device)
+        return tensor
+
+    def _index(self, layer_number: int, names: tuple, with_loss: bool, device) -> torch.Tensor:
+        key = (layer_number, names, with_loss, str(device))
+        index = self._indices.get(key)
+        if index is None:
+            self.register(layer_number, names)
+            self._allocate(device)
+            metrics, row = len(self._names), self._row[layer_number]
+            columns = [self._column[name] for name in names]
+            flat = [row * 2 * metrics + c for c in columns] + [(row * 2 + 1) * metrics + c for c in columns]
+            if with_loss:
+                size = self._stats.numel()
+                flat += [size - 2, size - 1]
+            index = self._indices[key] = torch.tensor(flat, dtype=torch.long, device=device)
+        return index
 
     # --- token-choice bias hand-over ---------------------------------------------------------------
+    def bias_buffers(self, shape: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hand-over buffers (bias float32, routed set bool) for ``shape`` [s, b], created once per
+        shape and kept (a captured graph holds their addresses)."""
+        key = (tuple(shape), str(device))
+        buffers = self._handover.get(key)
+        if buffers is None:
+            buffers = self._handover[key] = (torch.zeros(shape, dtype=torch.float32, device=device),
+                                             torch.zeros(shape, dtype=torch.bool, device=device))
+        return buffers
+
     def take_bias(self, layer_number: int, shape: tuple[int, ...]):
         """(b, routed set) left by the layer directly before ``layer_number``, else (None, None).
 
-        Consecutive sparse layers of a block are adjacent, so an anchor in between, or the start of
-        the next forward pass (which begins at a lower layer number), resets b.
+        Static: the layer before takes part iff it is a sparse layer of this chunk (consecutive sparse
+        layers are one block: an anchor in between, or the first sparse layer of a block, starts at
+        b = 0), or the pipeline carry delivers its bias at this chunk's first layer. The buffers are
+        returned themselves (views of device memory that the previous layer wrote in place).
         """
-        if self._bias_handover is not None:
-            number, bias, selected = self._bias_handover
-            if number == layer_number - 1 and tuple(bias.shape) == shape:
-                return bias, selected
+        if layer_number - 1 not in self._bias_sources:
+            return None, None
+        for (buffer_shape, _), buffers in self._handover.items():
+            if buffer_shape == tuple(shape):
+                return buffers
         return None, None
 
     def put_bias(self, layer_number: int, bias: torch.Tensor, selected: torch.Tensor) -> None:
-        self._bias_handover = (layer_number, bias, selected)
+        """Layer ``layer_number`` hands (b, routed set) to the next one: copied in place into the
+        buffers (nothing is copied for a tensor that is the buffer already)."""
+        self._bias_sources.add(layer_number)
+        bias_buffer, selected_buffer = self.bias_buffers(tuple(bias.shape), bias.device)
+        if bias is not bias_buffer:
+            bias_buffer.copy_(bias)
+        if selected is not selected_buffer:
+            selected_buffer.copy_(selected)
 
     def observe(self, layer_number: int, logits: torch.Tensor, decision) -> None:
         for observer in self.observers:
             observer(layer_number, logits, decision)
 
     # --- statistics ---------------------------------------------------------------------------------
-    def record(self, name: str, layer_number: int, value: torch.Tensor) -> None:
+    def record_values(self, layer_number: int, names: tuple, values: list, microbatch_loss=None,
+                      counts: Optional[list] = None) -> None:
+        """Add one call's 0-d ``values`` of the metrics ``names`` (and count them), and its micro-batch
+        router loss, with one stack and one in-place ``index_add_``; no host sync. ``counts``: what each
+        value adds to its count (None: 1, one call); a fraction can be written as (number of tokens,
+        :meth:`constant` total) and saves the division: its mean is then over tokens. ``NONFINITE`` is
+        written as the pair (finite count, number of logits): see :meth:`nonfinite_values`."""
         if not self.recording:
+            names, values = (), []
+        if not names and microbatch_loss is None:
             return
-        key = (name, layer_number)
-        value = value.detach().float()
-        self._sums[key] = value if key not in self._sums else self._sums[key] + value
-        self._counts[key] += 1
+        if microbatch_loss is not None:
+            self._loss_layers.add(layer_number)
+        device = (values[0] if names else microbatch_loss).device
+        index = self._index(layer_number, names, microbatch_loss is not None, device)
+        one = self.constant(1.0, device)
+        counts = [one] * len(names) if counts is None else [one if c is None else c for c in counts]
+        parts = [value.detach() for value in values] + counts
+        if microbatch_loss is not None:
+            parts += [microbatch_loss.detach(), one]
+        self._stats.index_add_(0, index, torch.stack(parts))
 
-    def add_microbatch_loss(self, loss: torch.Tensor) -> None:
-        self._microbatch_losses.append(loss.detach().float())
+    def nonfinite_values(self, logits: torch.Tensor) -> tuple[tuple, list]:
+        """(names, values) that record the non-finite count of ``logits``: 2 ops (isfinite, sum)."""
+        return (_FINITE, _LOGITS), [torch.isfinite(logits).sum(), self.constant(logits.numel(), logits.device)]
+
+    def record(self, name: str, layer_number: int, value: torch.Tensor) -> None:
+        """One metric value (:meth:`record_values` writes several at once)."""
+        if name == NONFINITE:
+            raise ValueError(f"{NONFINITE}: record the router logits with nonfinite_values()")
+        self.record_values(layer_number, (name,), [value])
+
+    def add_microbatch_loss(self, loss: torch.Tensor, layer_number: int = 0) -> None:
+        self.record_values(layer_number, (), [], microbatch_loss=loss)
+
+    def take_microbatch_sum(self) -> Optional[torch.Tensor]:
+        """[sum, count] of the router losses added since the last take (a new tensor), then cleared;
+        None when no layer of this state adds any."""
+        if not self._loss_layers or self._stats is None:
+            return None
+        taken = self._stats[-2:].clone()
+        self._stats[-2:].zero_()
+        return taken
 
     def take_microbatch_losses(self) -> list[torch.Tensor]:
-        losses, self._microbatch_losses = self._microbatch_losses, []
-        return losses
+        """The mean router loss of the micro-batch just run, as a one-element list (empty: none)."""
+        taken = self.take_microbatch_sum()
+        return [] if taken is None else [taken[0] / taken[1].clamp(min=1)]
 
     def reset(self) -> None:
-        self._bias_handover = None
         self.router_inputs.clear()
-        self._sums.clear()
-        self._counts.clear()
-        self._microbatch_losses.clear()
+        if self._stats is not None:
+            self._stats.zero_()
 
     def forget(self, names) -> None:
         """Drop the interval statistics of the metrics ``names`` only (e.g. the eval_* ones after a
         validation, leaving the training interval's for the next log line)."""
-        for key in [key for key in self._sums if key[0] in names]:
-            del self._sums[key]
-            self._counts.pop(key, None)
+        names = {n for name in names for n in ((_FINITE, _LOGITS) if name == NONFINITE else (name,))}
+        columns = [self._column[name] for name in names if name in self._column]
+        if self._stats is not None and columns:
+            self._table().index_fill_(2, torch.tensor(columns, device=self._stats.device), 0.0)
+
+    def nonfinite_sums(self) -> tuple[list[int], Optional[torch.Tensor]]:
+        """(layer numbers, their non-finite router-logit counts so far): a new device tensor, no host sync."""
+        if self._stats is None or _FINITE not in self._column:
+            return [], None
+        layers = [layer for layer in self._layers if _FINITE in self._layer_names[layer]]
+        rows = self._indices.get(("nonfinite rows",))
+        if rows is None:
+            rows = self._indices[("nonfinite rows",)] = torch.tensor([self._row[layer] for layer in layers],
+                                                                      device=self._stats.device)
+        sums = self._table()[:, 0].index_select(0, rows)
+        return layers, sums[:, self._column[_LOGITS]] - sums[:, self._column[_FINITE]]
 
     def items(self):
-        """((name, layer_number), (sum, count)) of the interval so far."""
-        return ((key, (value, self._counts[key])) for key, value in self._sums.items())
+        """((name, layer_number), (sum, count)) of the interval so far, on the host (one read). The
+        count is the number of calls, or of tokens for a fraction written per token (the mean is sum / count)."""
+        if self._stats is None:
+            return iter(())
+        table = self._table().detach().cpu()
+        entries = []
+        for r, layer in enumerate(self._layers):
+            for name in self._names:
+                if name == _LOGITS:
+                    continue
+                c = self._column[name]
+                count = table[r, 1, c].item()
+                if not count:
+                    continue
+                count = int(count) if count == int(count) else count
+                value = table[r, 0, c]
+                if name == _FINITE:
+                    name, value = NONFINITE, table[r, 0, self._column[_LOGITS]] - value
+                entries.append(((name, layer), (value, count)))
+        return iter(entries)
 
 
 def is_recorder(module: torch.nn.Module) -> bool:
@@ -149,6 +323,8 @@ def attach_routing_state(model: torch.nn.Module, eval_rule: str = "threshold") -
     for module in model.modules():
         if is_recorder(module):
             module.routing_state = state
+            if getattr(module, "layer_number", None) is not None:
+                state.register(module.layer_number, type(module).ROUTING_METRICS)
     return state
 
 
@@ -207,8 +383,11 @@ def statistics_paused(model_chunks):
 
 def take_microbatch_loss(model_chunks) -> Optional[torch.Tensor]:
     """Mean router loss over the recorders of ``model_chunks`` for the micro-batch just run (then cleared)."""
-    losses = [loss for state in routing_states(model_chunks) for loss in state.take_microbatch_losses()]
-    return torch.stack(losses).mean() if losses else None
+    taken = [t for state in routing_states(model_chunks) if (t := state.take_microbatch_sum()) is not None]
+    if not taken:
+        return None
+    total = taken[0] if len(taken) == 1 else torch.stack(taken).sum(0)
+    return total[0] / total[1].clamp(min=1)
 
 
 def per_layer(model_chunks, names: Optional[Iterable[str]] = None, num_layers: Optional[int] = None,

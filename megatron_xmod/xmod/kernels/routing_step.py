@@ -52,10 +52,10 @@ class RoutingStep(NamedTuple):
 
 
 def routing_step_torch(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias: Optional[torch.Tensor],
-                       tau: float, increment: float) -> RoutingStep:
+                       tau: float, increment: float, bias_out: Optional[torch.Tensor] = None) -> RoutingStep:
     """The reference: the rules of :mod:`megatron_xmod.xmod.routing`, op by op."""
     decision = route(logits, sparsity_k, rule, carried_bias, tau)
-    bias = update_token_choice_bias(carried_bias, decision.selected, increment)
+    bias = update_token_choice_bias(carried_bias, decision.selected, increment, out=bias_out)
     gate = None
     if decision.topk_indices is not None:
         gate = torch.sigmoid(torch.gather(decision.scores, 0, decision.topk_indices))
@@ -63,17 +63,22 @@ def routing_step_torch(logits: torch.Tensor, sparsity_k: int, rule: str, carried
 
 
 def routing_step(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias: Optional[torch.Tensor] = None,
-                 tau: float = 0.0, increment: float = 1.0, *, backend: Optional[str] = None) -> RoutingStep:
-    """Route one sparse layer from its router logits [s, b] (fp32); see the module docstring."""
+                 tau: float = 0.0, increment: float = 1.0, *, backend: Optional[str] = None,
+                 bias_out: Optional[torch.Tensor] = None) -> RoutingStep:
+    """Route one sparse layer from its router logits [s, b] (fp32); see the module docstring.
+    ``bias_out``: a float32 [s, b] buffer that receives the updated bias (the routing state's hand-over
+    buffer, which may also be ``carried_bias``); the returned bias is then that buffer."""
     name = "torch" if rule != "topk" else _select(backend, logits)
     launch_counts[name] += 1
     if name == "torch":
-        return routing_step_torch(logits, sparsity_k, rule, carried_bias, tau, increment)
+        return routing_step_torch(logits, sparsity_k, rule, carried_bias, tau, increment, bias_out)
     k = topk_count(logits.shape[0], sparsity_k)
     carried = None if carried_bias is None else carried_bias.detach().float().contiguous()
     logits32 = logits if logits.dtype == torch.float32 else logits.float()
     indices, selected, scores, gate, bias, _ = _FusedRoutingStep.apply(
         logits32.contiguous(), carried, float(tau), k, float(increment), _triton.module())
+    if bias_out is not None:
+        bias = bias_out.copy_(bias)
     return RoutingStep(RoutingDecision(selected, scores, indices), bias, gate)
 
 
