@@ -26,10 +26,7 @@ import argparse
 import copy
 import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +35,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the sync counter is a test tool, shared with the tests
+
+from throughput import git_commit, loadavg, machine_name  # noqa: E402  (bench/, this script's folder)
 
 MODELS = ("dense", "mod", "xmod-a4k8", "xmod-a3k16")
 
@@ -197,17 +196,6 @@ def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device
     return rows
 
 
-def machine_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or "cpu"
-    return f"{model}, {os.cpu_count()} cores"
-
-
 def render_markdown(meta, rows) -> str:
     out = [f"# Generation speed ({meta['date']})", "",
            f"- machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; {meta['dtype']}",
@@ -265,12 +253,12 @@ def main(argv=None):
     if args.quick:
         args.hidden, args.prompts, args.batches, args.new_tokens, args.repeats = 64, [32], [1, 2], 8, 1
     device = torch.device(args.device)
-    loadavg_start = [round(v, 2) for v in os.getloadavg()]
+    loadavg_start = loadavg()
     rows = measure(args.models, args.prompts, args.batches, args.new_tokens, args.repeats, args.hidden, device)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    commit = git_commit()
     meta = dict(date=datetime.date.today().isoformat(), machine=machine_name(device), commit=commit,
                 torch=torch.__version__, dtype="fp32", hidden=args.hidden, new_tokens=args.new_tokens,
-                repeats=args.repeats, loadavg_start=loadavg_start, loadavg=[round(v, 2) for v in os.getloadavg()])
+                repeats=args.repeats, loadavg_start=loadavg_start, loadavg=loadavg())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"generate_{device.type}_{meta['date'].replace('-', '')}" + ("_quick" if args.quick else "")

@@ -59,30 +59,6 @@ HEADLINE = dict(backbone="1.65b", seq_len=32768, tp=8, micro_batch=1)
 
 # ------------------------------------------------------------------------------------ 1. layers
 
-def build_layers(device, seq_len, batch, hidden_size=64):
-    """bench/ops.py's models (``D + S8*2 + D`` X-MoD, ``D + (S8 + D)`` MoD) at ``hidden_size``:
-    ({name: (layer, before)}, rope, hidden)."""
-    from megatron_xmod.model import build_gpt_model, config_from_backbone
-
-    backbone = Backbone("host-layers", hidden_size=hidden_size, head_dim=16, num_attention_heads=hidden_size // 16,
-                        num_query_groups=max(1, hidden_size // 32), ffn_hidden_size=3 * hidden_size, num_layers=4,
-                        vocab_size=256, rotary_base=10000)
-    models = {}
-    for family, layout in (("xmod", "D + S8*2 + D"), ("mod", "D + (S8 + D)")):
-        config = config_from_backbone(backbone, layout, use_cpu_initialization=device.type == "cpu",
-                                      xmod_routing_family=family)
-        models[family] = build_gpt_model(config, backbone.vocab_size, seq_len, rotary_base=backbone.rotary_base).to(device)
-    xmod_layers = models["xmod"].decoder.layers
-    rope = models["xmod"].rotary_pos_emb(seq_len)
-    hidden = torch.randn(seq_len, batch, backbone.hidden_size, device=device)
-
-    def carry_from_first_sparse():  # the timed X-MoD layer takes the bias of the sparse layer before it
-        xmod_layers[1](hidden, attention_mask=None, rotary_pos_emb=rope)
-
-    return ({"dense": (xmod_layers[0], None), "xmod_sparse": (xmod_layers[2], carry_from_first_sparse),
-             "mod_sparse": (models["mod"].decoder.layers[1], None)}, rope, hidden, models)
-
-
 def time_layer(layer, hidden, rope, device, before=None, calls=50, repeats=5) -> dict:
     """Host time (us) of one forward and one backward call: the mean over ``calls`` calls, median
     (and best) of ``repeats``; wall clock, and this process's CPU time (``time.process_time``,
@@ -128,7 +104,8 @@ def measure_layers(device, seq_len=128, batch=1, hidden_size=64, calls=50, repea
     """Host us per call and launches per call of the three layers, forward and backward."""
     ops._set_path("fused" if device.type == "cuda" else "torch")
     try:
-        targets, rope, hidden, _models = build_layers(device, seq_len, batch, hidden_size)
+        targets, rope, hidden, _models = ops.build_layers(device, seq_len, batch, hidden_size, head_dim=16,
+                                                          ffn_hidden_size=3 * hidden_size)
         rows = []
         for name, (layer, before) in targets.items():
             timed = time_layer(layer, hidden, rope, device, before, calls, repeats)

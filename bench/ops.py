@@ -148,15 +148,19 @@ def _set_path(path):
     permute.set_backend("torch" if path == "torch" else None if torch.cuda.is_available() else "triton")
 
 
-def measure(paths, device_name="cpu", seq_len=64, batch=2):
+def build_layers(device, seq_len, batch, hidden_size=128, head_dim=32, ffn_hidden_size=256):
+    """One dense, one X-MoD sparse and one MoD sparse layer (from ``D + S8*2 + D`` X-MoD and
+    ``D + (S8 + D)`` MoD models, GQA 2:1): ({name: (layer, before)}, rope, hidden, models), where
+    ``before`` runs the X-MoD layer's predecessor so that the timed layer takes a carried bias."""
     import torch
 
     from megatron_xmod.model import build_gpt_model, config_from_backbone
     from megatron_xmod.presets import Backbone
 
-    device = torch.device(device_name)
-    backbone = Backbone("ops", hidden_size=128, head_dim=32, num_attention_heads=4, num_query_groups=2,
-                        ffn_hidden_size=256, num_layers=4, vocab_size=256, rotary_base=10000)
+    heads = hidden_size // head_dim
+    backbone = Backbone("ops", hidden_size=hidden_size, head_dim=head_dim, num_attention_heads=heads,
+                        num_query_groups=max(1, heads // 2), ffn_hidden_size=ffn_hidden_size, num_layers=4,
+                        vocab_size=256, rotary_base=10000)
     models = {}
     for family, layout in (("xmod", "D + S8*2 + D"), ("mod", "D + (S8 + D)")):
         config = config_from_backbone(backbone, layout, use_cpu_initialization=device.type == "cpu",
@@ -166,11 +170,19 @@ def measure(paths, device_name="cpu", seq_len=64, batch=2):
     rope = models["xmod"].rotary_pos_emb(seq_len)
     hidden = torch.randn(seq_len, batch, backbone.hidden_size, device=device)
 
-    def carry_from_first_sparse():  # the profiled X-MoD layer takes the bias of the layer before it
+    def carry_from_first_sparse():  # the measured X-MoD layer takes the bias of the layer before it
         xmod_layers[1](hidden, attention_mask=None, rotary_pos_emb=rope)
 
     targets = {"dense": (xmod_layers[0], None), "xmod_sparse": (xmod_layers[2], carry_from_first_sparse),
                "mod_sparse": (models["mod"].decoder.layers[1], None)}
+    return targets, rope, hidden, models
+
+
+def measure(paths, device_name="cpu", seq_len=64, batch=2):
+    import torch
+
+    device = torch.device(device_name)
+    targets, rope, hidden, _ = build_layers(device, seq_len, batch)
     results = []
     for path in paths:
         _set_path(path)
