@@ -9,7 +9,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
-STEPS = ["env", "wheels", "build", "tests", "memcheck", "racecheck", "permute", "ops", "host", "throughput"]
+STEPS = ["env", "wheels", "build", "tests", "memcheck", "racecheck", "permute", "ops", "host", "generate",
+         "throughput"]
 
 
 def test_step_caps_fit_nine_minutes():
@@ -57,3 +58,6 @@ def test_cpu_mode_runs_every_step(tmp_path):
     assert {r["model"] for r in host["step_model"]} == {"dense", "mod", "xmod-a4k8", "xmod-a3k16"}
     assert all(r["error"].startswith("skipped") for r in host["graphs"])  # no GPU here
     assert [r["model"] for r in host["profiled"]] == ["dense", "mod"]
+    generated = json.loads(next(tmp_path.glob("generate_cpu_*_quick.json")).read_text())["rows"]
+    assert {(r["model"], r["batch"]) for r in generated} == {(m, b) for m in ("dense", "mod") for b in (1, 2)}
+    assert all(r["decode_tok_s"] > 0 and r["kv_cache_bytes"] > 0 for r in generated)
