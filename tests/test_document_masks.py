@@ -274,15 +274,18 @@ def test_entry_point_trains_with_reset_attention_mask(tmp_path):
     megatron's dataloader builds the block-diagonal mask (--no-create-attention-mask-in-dataloader
     dropped), the routed layers receive and apply it (a probe around their forward reports it), and
     training and validation run with finite losses."""
-    from entry_point_helpers import common_flags, torchrun, train_losses
+    from entry_point_helpers import common_flags, torchrun, train_losses, validation_losses
 
     data = short_documents(str(tmp_path / "docs"))
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
-    flags = [f for f in common_flags(data, 4, "--xmod-routing-family", "xmod", "--xmod-layout", "D + (S4*2 + D)",
-                                     "--num-layers", "4", "--reset-attention-mask", "--reset-position-ids")
+    flags = [f for f in common_flags(data, 3, "--xmod-routing-family", "xmod", "--xmod-layout", "D + (S4*2 + D)",
+                                     "--num-layers", "4", "--reset-attention-mask", "--reset-position-ids",
+                                     "--eval-interval", "3")
              if f != "--no-create-attention-mask-in-dataloader"]
     result = torchrun(1, [str(probe)], flags)
     assert "[probe] routed layer 2: document mask (2, 1, 64, 64), resets=True" in result.stdout, result.stdout[-3000:]
     losses = train_losses(result.stdout)
-    assert sorted(losses) == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    assert sorted(losses) == [1, 2, 3] and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    validation = validation_losses(result.stdout)  # threshold routing (and the top-k comparison) under the mask
+    assert 3 in validation and torch.isfinite(torch.tensor(validation[3]["lm loss"]))
