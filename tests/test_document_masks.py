@@ -175,6 +175,44 @@ def test_non_sdpa_core_attention_refuses_a_document_mask(seeded):
         layer(torch.randn(16, 2, HIDDEN), attention_mask=mask, rotary_pos_emb=rope_freqs(16))
 
 
+def test_dataloader_causal_mask_is_dropped_without_reset(monkeypatch):
+    """In a megatron run without --reset-attention-mask the dataloader's mask is plain causal: routed
+    layers drop it (SDPA keeps is_causal, TransformerEngine layers keep working); with the flag it is applied."""
+    import types
+
+    from megatron_xmod.xmod.layers import _document_mask
+
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool).triu(1)
+    global_vars = types.SimpleNamespace(_GLOBAL_ARGS=types.SimpleNamespace(reset_attention_mask=False))
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    assert _document_mask(mask) is None
+    global_vars._GLOBAL_ARGS.reset_attention_mask = True
+    assert _document_mask(mask) is mask
+
+
+def test_preflight_names_what_a_document_mask_needs():
+    import types
+
+    from megatron_xmod.training.flags import expand_arguments
+    from megatron_xmod.training.preflight import check_document_masks
+
+    def args(**fields):
+        return types.SimpleNamespace(**dict(dict(reset_attention_mask=True, create_attention_mask_in_dataloader=True,
+                                                 transformer_impl="local"), **fields))
+
+    check_document_masks(args(), routed=True)
+    with pytest.raises(ValueError, match="reset_attention_mask: .*--no-create-attention-mask-in-dataloader"):
+        check_document_masks(args(create_attention_mask_in_dataloader=False), routed=False)
+    with pytest.raises(ValueError, match="reset_attention_mask: .*--transformer-impl local"):
+        check_document_masks(args(transformer_impl="transformer_engine"), routed=True)
+    check_document_masks(args(transformer_impl="transformer_engine"), routed=False)  # dense: megatron's own
+    with pytest.raises(ValueError, match="dataloader_inter_document_masking: packed sequences .*--reset-attention-mask"):
+        check_document_masks(args(dataloader_inter_document_masking=True), routed=True)
+    cpu = ["--xmod-cpu", "--xmod-routing-family", "xmod", "--xmod-layout", "D + S4", "--num-layers", "2"]
+    assert "--no-create-attention-mask-in-dataloader" in expand_arguments(cpu)
+    assert "--no-create-attention-mask-in-dataloader" not in expand_arguments(cpu + ["--reset-attention-mask"])
+
+
 def test_perturbing_one_document_leaves_the_others_unchanged(seeded):
     """A tiny X-MoD model (dense and routed layers) in evaluation, fp64. Threshold routing decides for
     each token from its own hidden state (sigmoid(s) >= 0.5), and the token-choice bias is per token
