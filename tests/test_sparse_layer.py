@@ -55,8 +55,9 @@ def rotate(t, positions):
     return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], -1)
 
 
-def reference_branches(w, x, positions):
-    """a and f of a pre-norm GQA/SwiGLU/QK-norm layer on the token sequence x [n, h] at ``positions``."""
+def reference_branches(w, x, positions, allowed=None):
+    """a and f of a pre-norm GQA/SwiGLU/QK-norm layer on the token sequence x [n, h] at ``positions``;
+    ``allowed`` [n, n]: which keys each query may attend to (default: causal)."""
     n = x.shape[0]
     qkv = rms(x, w["input_layernorm.weight"]) @ w["self_attention.linear_qkv.weight"].T
     per_group = qkv.view(n, GROUPS, (HEADS // GROUPS + 2) * HEAD_DIM)
@@ -67,7 +68,9 @@ def reference_branches(w, x, positions):
     q, k = rotate(q, positions), rotate(k, positions)
     k, v = k.repeat_interleave(HEADS // GROUPS, 1), v.repeat_interleave(HEADS // GROUPS, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM ** 0.5
-    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    if allowed is None:
+        allowed = torch.ones(n, n, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
     context = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, HEADS * HEAD_DIM)
     a = context @ w["self_attention.linear_proj.weight"].T
     gate_up = rms(x + a, w["pre_mlp_layernorm.weight"]) @ w["mlp.linear_fc1.weight"].T

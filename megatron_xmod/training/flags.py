@@ -168,8 +168,9 @@ def expand_arguments(argv: list[str]) -> list[str]:
         head += ["--num-layers", str(layout.num_layers)]
     if layout.num_sparse_layers:
         head += ["--no-rope-fusion"]
-    if pre.xmod_cpu:
-        head += CPU_FLAGS
+    if pre.xmod_cpu:  # a document mask (--reset-attention-mask) needs the dataloader's mask
+        head += [flag for flag in CPU_FLAGS if flag != "--no-create-attention-mask-in-dataloader"
+                 or "--reset-attention-mask" not in argv]
     if pre.xmod_muon_table5:
         head += MUON_TABLE5
     if pre.xmod_paper_schedule:

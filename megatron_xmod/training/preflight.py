@@ -43,9 +43,7 @@ def validate_before_training(args, vocab_size: Optional[int] = None) -> None:
     ``vocab_size``: the tokenizer's vocabulary (default: megatron's built tokenizer)."""
     config = config_from_args(args)  # raises with the field name
     ks = {layer.sparsity_k for layer in config.layer_layout.layers if layer.is_sparse}
-    if ks and args.reset_attention_mask:
-        raise ValueError("reset_attention_mask: routed layers attend causally over the routed subsequence and do "
-                         "not apply per-document masks; train without --reset-attention-mask")
+    check_document_masks(args, routed=bool(ks))
     for k in ks:
         if args.seq_length % k:
             raise ValueError(f"seq_length: {args.seq_length} is not divisible by sparsity K={k} (top-k routes exactly L/K tokens)")
@@ -58,6 +56,29 @@ def validate_before_training(args, vocab_size: Optional[int] = None) -> None:
         if vocab_size is None and built is not None:
             vocab_size = int(built.vocab_size)
         check_data(args, vocab_size, built_tokenizer=built)
+
+
+def check_document_masks(args, routed: bool) -> None:
+    """Per-document attention (docs/routing.md, 'Document masks'): --reset-attention-mask needs the
+    dataloader's mask, and routed layers apply it with the SDPA core attention only; packed sequences
+    (THD, cu_seqlens) are refused: the forward step builds no packed_seq_params and routed layers take none."""
+    if getattr(args, "dataloader_inter_document_masking", False):
+        raise ValueError("dataloader_inter_document_masking: packed sequences (THD, cu_seqlens) are not supported: the "
+                         "forward step builds no packed_seq_params and routed layers gather their tokens from an "
+                         "[s, b] batch; drop --dataloader-inter-document-masking and use --reset-attention-mask (a "
+                         "block-diagonal causal mask per document)")
+    if not args.reset_attention_mask:
+        return
+    if not args.create_attention_mask_in_dataloader:
+        raise ValueError("reset_attention_mask: --reset-attention-mask builds its per-document mask in the dataloader, "
+                         "but --no-create-attention-mask-in-dataloader switches that off (megatron would train with a "
+                         "plain causal mask, silently); drop --no-create-attention-mask-in-dataloader (--xmod-cpu "
+                         "leaves it out when --reset-attention-mask is given)")
+    if routed and args.transformer_impl != "local":
+        raise ValueError(f"reset_attention_mask: routed layers apply the document mask with the SDPA core attention "
+                         f"of --transformer-impl local only (--transformer-impl {args.transformer_impl}'s causal "
+                         "attention ignores an explicit mask); train with --transformer-impl local, or without "
+                         "--reset-attention-mask")
 
 
 def check_before_megatron_setup(args) -> None:

@@ -3,12 +3,14 @@
 A sparse layer is a standard megatron ``TransformerLayer`` (same submodules, same specs, same
 checkpoint keys) plus a d->1 router and, for X-MoD, the learnable gate scale varsigma. Its forward
 gathers the routed tokens with their original positions, runs the layer's own attention (causal
-among routed tokens only, RoPE at the real positions) and MLP on that subsequence, and scatters the
-gated update back; every other token passes through bit-identical.
+among routed tokens only, RoPE at the real positions; with megatron's document mask of
+--reset-attention-mask, among the routed tokens of the token's own document) and MLP on that
+subsequence, and scatters the gated update back; every other token passes through bit-identical.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Optional
 
 import torch
@@ -130,15 +132,57 @@ def _gather_positions(rotary_pos_emb, indices: torch.Tensor):
     return rotary_pos_emb[:, 0, 0][indices].unsqueeze(2)
 
 
-def _padding_mask(valid: Optional[torch.Tensor]):
-    """Attention mask of a padded routed batch ([k, b] ``valid``): causal among routed tokens, padding
-    visible to itself only; megatron's convention (True = masked), [b, 1, k, k]. None: plain causal."""
-    if valid is None:
+def _padding_mask(valid: Optional[torch.Tensor], document_mask: Optional[torch.Tensor] = None,
+                  indices: Optional[torch.Tensor] = None):
+    """Attention mask of the routed batch, megatron's convention (True = masked), [b, 1, k, k]; None:
+    plain causal (the core attention's own mask type).
+
+    Causal among routed tokens; with ``valid`` ([k, b], a padded batch) padding is visible to itself
+    only; with ``document_mask`` (megatron's [b or 1, 1, s, s] mask of the whole sequence, e.g. the
+    block-diagonal causal mask of --reset-attention-mask) a routed token at position ``indices[q, j]``
+    also sees only the routed keys ``indices[:, j]`` that mask allows it. A token always sees itself,
+    so no row is all masked (SDPA would return NaN there): a routed token that is the first routed one
+    of its document attends to itself only."""
+    if valid is None and document_mask is None:
         return None
-    k = valid.shape[0]
-    causal = torch.ones(k, k, dtype=torch.bool, device=valid.device).tril()
-    allowed = causal & (valid.t()[:, None, :] | torch.eye(k, dtype=torch.bool, device=valid.device))
-    return ~allowed.unsqueeze(1)
+    k = (valid if valid is not None else indices).shape[0]
+    device = (valid if valid is not None else indices).device
+    eye = torch.eye(k, dtype=torch.bool, device=device)
+    allowed = torch.ones(k, k, dtype=torch.bool, device=device).tril().unsqueeze(0)  # [1, k, k]
+    if valid is not None:
+        allowed = allowed & valid.t()[:, None, :]
+    if document_mask is not None:
+        allowed = allowed & ~_gather_document_mask(document_mask, indices)
+    return ~(allowed | eye).unsqueeze(1)
+
+
+def _document_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The mask a routed layer applies among its routed tokens: megatron's ``attention_mask``, except
+    in a megatron training run without --reset-attention-mask. There the dataloader's mask (megatron
+    creates one unless --no-create-attention-mask-in-dataloader) is the plain causal mask that every
+    core attention applies itself: it is dropped, so SDPA keeps its causal kernels and backends that
+    ignore explicit masks (TransformerEngine's causal type) keep working. Outside megatron's training
+    loop (no parsed arguments) a given mask is always applied."""
+    if attention_mask is None:
+        return None
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    args = getattr(global_vars, "_GLOBAL_ARGS", None)
+    if args is not None and not getattr(args, "reset_attention_mask", False):
+        return None
+    return attention_mask
+
+
+def _gather_document_mask(document_mask: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """megatron's [b or 1, 1, s, s] mask (True = masked) at the routed positions ``indices`` [k, b]:
+    [b, k, k], rows the routed queries, columns the routed keys of the same sequence."""
+    if document_mask.dim() != 4 or document_mask.shape[1] != 1 or document_mask.shape[2] != document_mask.shape[3]:
+        raise ValueError(f"attention_mask: routed layers take megatron's [b, 1, s, s] mask, got shape "
+                         f"{tuple(document_mask.shape)}; pass a [b or 1, 1, s, s] boolean mask (True = masked)")
+    k, batch = indices.shape
+    mask = document_mask[:, 0].bool().expand(batch, -1, -1)  # [b, s, s]
+    positions = indices.t()  # [b, k]
+    rows = torch.gather(mask, 1, positions.unsqueeze(-1).expand(-1, -1, mask.shape[2]))  # [b, k, s]
+    return torch.gather(rows, 2, positions.unsqueeze(1).expand(-1, k, -1))  # [b, k, k]
 
 
 def _cuda_graphs(config) -> bool:
@@ -179,7 +223,15 @@ class XModSparseLayer(TransformerLayer):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None, context_mask=None,
                 rotary_pos_emb=None, inference_context=None, packed_seq_params=None, **unused):
         if inference_context is not None or packed_seq_params is not None:
-            raise ValueError("inference_context/packed_seq_params: not supported by routed layers")
+            raise ValueError("inference_context/packed_seq_params: not supported by routed layers (packed THD "
+                             "sequences: train with --reset-attention-mask instead, docs/routing.md 'Document masks')")
+        attention_mask = _document_mask(attention_mask)
+        if attention_mask is not None and not isinstance(self.self_attention.core_attention, SDPAttention):
+            raise ValueError(
+                f"attention_mask: routed layers apply a document mask (--reset-attention-mask) with the SDPA core "
+                f"attention of --transformer-impl local only, this layer's is "
+                f"{type(self.self_attention.core_attention).__name__}, which would ignore it; train with "
+                "--transformer-impl local, or pass attention_mask=None for plain causal attention")
         state = self.routing_state
         if state is None:
             raise RuntimeError(
@@ -203,15 +255,16 @@ class XModSparseLayer(TransformerLayer):
 
         if decision.topk_indices is not None:
             output = self._routed_update(hidden_states, decision.topk_indices, decision.scores, rotary_pos_emb,
-                                         gate=gate)
+                                         gate=gate, document_mask=attention_mask)
         elif isinstance(self.self_attention.core_attention, SDPAttention):
             # Threshold routing selects a different number of tokens per sequence: pad to the longest
             # and mask the padding out of attention (SDPA takes the explicit mask).
             indices, valid = padded_selection(decision.selected)
             output = hidden_states if indices is None else self._routed_update(
-                hidden_states, indices, decision.scores, rotary_pos_emb, valid)
+                hidden_states, indices, decision.scores, rotary_pos_emb, valid, document_mask=attention_mask)
         else:
-            # Other attention backends honour only their causal mask type: route sequence by sequence.
+            # Other attention backends honour only their causal mask type: route sequence by sequence
+            # (a document mask was refused above).
             columns = []
             for j in range(batch):
                 indices = decision.selected[:, j].nonzero()  # [k_j, 1], ascending positions
@@ -323,13 +376,16 @@ class XModSparseLayer(TransformerLayer):
     def _gate_scale(self):
         return getattr(self, "gate_scale", None)  # varsigma of Eq.(7); MoD has none
 
-    def _routed_update(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None):
+    def _routed_update(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None,
+                       document_mask=None):
         """x with the routed tokens ``indices`` updated; ``gate``: their sigmoid(score), when the routing
-        step computed it already (top-k training)."""
+        step computed it already (top-k training); ``document_mask``: megatron's [b or 1, 1, s, s]
+        attention mask of the whole sequence (True = masked), applied among the routed tokens."""
         if self.config.sequence_parallel:
-            return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid, gate)
+            return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid, gate,
+                                                         document_mask)
         routed = gather_tokens(hidden_states, indices)
-        attention_mask = _padding_mask(valid)
+        attention_mask = _padding_mask(valid, document_mask, indices)
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
         if gate is None:
             gate = torch.sigmoid(torch.gather(scores, 0, indices))
@@ -338,7 +394,8 @@ class XModSparseLayer(TransformerLayer):
         delta, gate = gated_residual(self.routing.family, attention, mlp, r, self._gate_scale(), keep)
         return scatter_gated(hidden_states, delta, gate, indices)
 
-    def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None):
+    def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None,
+                                         document_mask=None):
         """Sequence parallel: ``hidden_states`` is this rank's slice [s/T, b, h] of the sequence and
         ``indices`` [k, b] are positions in the whole sequence (the same on every rank). The routed
         subsequence, padded to a multiple of T at its end (causal attention keeps real tokens from
@@ -347,7 +404,9 @@ class XModSparseLayer(TransformerLayer):
         sequence-parallel pattern, and the gated updates are all-gathered so that every rank adds those
         of its own tokens. Static shapes, no host sync: every rank adds all k*b gathered updates, those
         of tokens it does not hold replaced by -0.0 and sent to row 0 of their sequence.
-        ``gate``: the routing step's sigmoid(score) of the routed tokens ([k, b]), when it has one."""
+        ``gate``: the routing step's sigmoid(score) of the routed tokens ([k, b]), when it has one.
+        ``document_mask``: megatron's mask of the whole sequence ([b or 1, 1, s, s], the same on every
+        rank), gathered at the padded routed positions; the end padding is masked out as a key."""
         group = self.tp_group
         shards, rank = group.size(), group.rank()
         local_len, batch, hidden = hidden_states.shape
@@ -363,7 +422,9 @@ class XModSparseLayer(TransformerLayer):
         rows = hidden_states.reshape(-1, hidden).index_select(0, flat_rows(local, batch)).view(-1, batch, hidden)
         rows = torch.where(mine.unsqueeze(-1), rows, 0)
         routed = reduce_scatter_to_sequence_parallel_region(rows, group=group)  # [(k + pad) / T, b, h]
-        attention_mask = None if valid is None else _padding_mask(real)  # end padding: causal suffices
+        # End padding: causal suffices, unless a mask is built anyway (then it masks the padding keys).
+        attention_mask = (None if valid is None and document_mask is None else
+                          _padding_mask(real, document_mask, indices))
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
         part = slice(rank * routed.shape[0], (rank + 1) * routed.shape[0])
         r = (torch.sigmoid(torch.gather(scores, 0, indices[part])) if gate is None else
