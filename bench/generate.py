@@ -134,7 +134,9 @@ def syncs_per_token(model, prompt, steps: int) -> float:
     return counter.count / steps
 
 
-def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device, log=print):
+def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device, log=print, after_each=None):
+    """Rows of every (batch, prompt, model); ``after_each(rows)`` after each (batch, prompt), so that a run
+    cut off keeps what finished."""
     vocab = 50304
     built = {}
     for name in models:
@@ -185,6 +187,13 @@ def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device
                 rows.append(row)
                 log(f"[generate] batch {batch} prompt {length} {name}: prefill {row['prefill_tok_s']:.0f} tok/s, "
                     f"decode {row['decode_tok_s']:.1f} tok/s, {row['syncs_per_token']:.1f} syncs/token")
+            compare_with_dense(rows)
+            if after_each is not None:
+                after_each(rows)
+    return rows
+
+
+def compare_with_dense(rows) -> None:
     dense = {(r["batch"], r["prompt"]): r for r in rows if r["model"] == "dense"}
     for r in rows:
         d = dense.get((r["batch"], r["prompt"]))
@@ -193,7 +202,6 @@ def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device
             r["decode_vs_dense"] = r["decode_tok_s"] / d["decode_tok_s"]
             if "decode_tok_s_before" in r:
                 r["decode_before_vs_dense"] = r["decode_tok_s_before"] / d["decode_tok_s"]
-    return rows
 
 
 def render_markdown(meta, rows) -> str:
@@ -254,18 +262,22 @@ def main(argv=None):
         args.hidden, args.prompts, args.batches, args.new_tokens, args.repeats = 64, [32], [1, 2], 8, 1
     device = torch.device(args.device)
     loadavg_start = loadavg()
-    rows = measure(args.models, args.prompts, args.batches, args.new_tokens, args.repeats, args.hidden, device)
-    commit = git_commit()
-    meta = dict(date=datetime.date.today().isoformat(), machine=machine_name(device), commit=commit,
-                torch=torch.__version__, dtype="fp32", hidden=args.hidden, new_tokens=args.new_tokens,
-                repeats=args.repeats, loadavg_start=loadavg_start, loadavg=loadavg())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"generate_{device.type}_{meta['date'].replace('-', '')}" + ("_quick" if args.quick else "")
-    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    (out / f"{stem}.md").write_text(render_markdown(meta, rows))
-    plot(rows, out / f"{stem}.png")
-    print(render_markdown(meta, rows))
+    stem = f"generate_{device.type}_{datetime.date.today().strftime('%Y%m%d')}" + ("_quick" if args.quick else "")
+
+    def write(rows):
+        meta = dict(date=datetime.date.today().isoformat(), machine=machine_name(device), commit=git_commit(),
+                    torch=torch.__version__, dtype="fp32", hidden=args.hidden, new_tokens=args.new_tokens,
+                    repeats=args.repeats, loadavg_start=loadavg_start, loadavg=loadavg())
+        (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        (out / f"{stem}.md").write_text(render_markdown(meta, rows))
+        plot(rows, out / f"{stem}.png")
+        return meta
+
+    rows = measure(args.models, args.prompts, args.batches, args.new_tokens, args.repeats, args.hidden, device,
+                   after_each=write)
+    print(render_markdown(write(rows), rows))
     return rows
 
 
