@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
-from test_sparse_layer import HIDDEN, make_config, make_layer, reference_branches, rope_freqs
+from test_sparse_layer import HIDDEN, make_config, make_layer, reference_layer, rope_freqs
 
 from megatron_xmod.xmod.layers import _padding_mask
 
@@ -39,29 +39,6 @@ def documents(seq_len, batch, generator, mean_length=4):
     eod = (tokens == EOD).long()
     ids = (eod.cumsum(-1) - eod).t()  # an EOD token ends (belongs to) its document
     return tokens, torch.stack(masks), ids
-
-
-def reference(w, x, ids, family, sparsity_k, rule):
-    """Eq.(6)/(7) sequence by sequence, a routed token attending to the earlier routed tokens of its
-    own document. Router logits are rounded to fp32 as the layer's routing is (routing precision)."""
-    out = x.clone()
-    for j in range(x.shape[1]):
-        s = (x[:, j] @ w["router.weight"][0] + w["router.bias"][0]).float()
-        if rule == "topk":
-            chosen = torch.argsort(s, descending=True)[: x.shape[0] // sparsity_k].sort().values
-        else:
-            chosen = torch.nonzero(torch.sigmoid(s) >= 0.5)[:, 0]
-        if len(chosen) == 0:
-            continue
-        doc = ids[chosen, j]
-        allowed = (doc[:, None] == doc[None, :]) & torch.ones(len(chosen), len(chosen), dtype=torch.bool).tril()
-        a, f = reference_branches(w, x[chosen, j], chosen, allowed)
-        r = torch.sigmoid(s[chosen]).to(x.dtype)[:, None]
-        if family == "xmod":
-            out[chosen, j] = x[chosen, j] + w["gate_scale"] * r * (a + f)
-        else:
-            out[chosen, j] = x[chosen, j] + a + r * f
-    return out
 
 
 def fp64_layer(family):
@@ -90,7 +67,7 @@ def compare(layer, x, mask, ids, family, rule, run=None):
     x_layer, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = run(x_layer) if run else layer(x_layer, attention_mask=mask, rotary_pos_emb=rope_freqs(seq_len))[0]
     weights = {name: p.detach().clone().requires_grad_() for name, p in layer.named_parameters()}
-    expected = reference(weights, x_ref, ids, family, 4, rule)
+    expected = reference_layer(weights, x_ref, family, 4, rule, document_ids=ids, router_dtype=torch.float32)
     probe = torch.randn_like(x)
     (out * probe).sum().backward()
     (expected * probe).sum().backward()

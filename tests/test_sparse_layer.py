@@ -79,19 +79,27 @@ def reference_branches(w, x, positions, allowed=None):
     return a, f
 
 
-def reference_layer(w, x, family, sparsity_k, rule):
-    """Eq.(6)/(7) sequence by sequence: route, run the layer on the routed tokens, gate, scatter."""
+def reference_layer(w, x, family, sparsity_k, rule, document_ids=None, router_dtype=None):
+    """Eq.(6)/(7) sequence by sequence: route, run the layer on the routed tokens, gate, scatter.
+    ``document_ids`` [s, b]: a routed token attends only to the earlier routed tokens of its own
+    document; ``router_dtype``: the router logits rounded to it (the layer routes in fp32)."""
     out = x.clone()
     for j in range(x.shape[1]):
         s = x[:, j] @ w["router.weight"][0] + w["router.bias"][0]
+        if router_dtype is not None:
+            s = s.to(router_dtype)
         if rule == "topk":
             chosen = torch.argsort(s, descending=True)[: x.shape[0] // sparsity_k].sort().values
         else:
             chosen = torch.nonzero(torch.sigmoid(s) >= 0.5)[:, 0]
         if len(chosen) == 0:
             continue
-        a, f = reference_branches(w, x[chosen, j], chosen)
-        r = torch.sigmoid(s[chosen])[:, None]
+        allowed = None
+        if document_ids is not None:
+            doc = document_ids[chosen, j]
+            allowed = (doc[:, None] == doc[None, :]) & torch.ones(len(chosen), len(chosen), dtype=torch.bool).tril()
+        a, f = reference_branches(w, x[chosen, j], chosen, allowed)
+        r = torch.sigmoid(s[chosen]).to(x.dtype)[:, None]
         if family == "xmod":
             out[chosen, j] = x[chosen, j] + w["gate_scale"] * r * (a + f)
         else:
