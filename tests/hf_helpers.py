@@ -63,3 +63,13 @@ def megatron_logits(model, tokens):
     with torch.no_grad():
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         return model(tokens, positions, None).float()
+
+
+def left_padded(prompts, pad: int):
+    """(batch [n, width], attention mask) of 1-D token tensors ``prompts``, padded on the left with ``pad``."""
+    width = max(len(p) for p in prompts)
+    batch = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for row, p in enumerate(prompts):
+        batch[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    return batch, mask

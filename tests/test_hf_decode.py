@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from generate import build_model, calibrate_routers, decode, prefill  # noqa: E402
+from hf_helpers import left_padded  # noqa: E402
 from sync_counter import SyncCounter  # noqa: E402
 
 from megatron_xmod.hf.cache import XModCache  # noqa: E402
@@ -71,11 +72,8 @@ def test_decoding_that_skips_layers_equals_recomputation(family):
 def test_left_padded_batch_decodes_as_each_prompt_alone():
     model = routed_model()
     prompts = [prompt(1, 9, seed=5)[0], prompt(1, 4, seed=6)[0], prompt(1, 6, seed=7)[0]]
-    width = max(len(p) for p in prompts)
-    batch = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(batch)
-    for row, p in enumerate(prompts):
-        batch[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    batch, mask = left_padded(prompts, PAD)
+    width = batch.shape[1]
     together = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
     for row, p in enumerate(prompts):
         alone, _ = recomputed(model, p[None], 8)

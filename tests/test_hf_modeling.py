@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TINY
-from hf_helpers import KINDS, SEQ, build_megatron, hf_twin, megatron_logits
+from hf_helpers import KINDS, SEQ, build_megatron, hf_twin, left_padded, megatron_logits
 
 from megatron_xmod.hf import XModForCausalLM, XModHFConfig
 from megatron_xmod.hf.cache import XModCache, dense_cache_bytes
@@ -188,11 +188,8 @@ def test_cached_generation_equals_recomputation(xmod_hf):
 
 def test_left_padded_batch_generation_equals_one_by_one(xmod_hf):
     prompts = [_tokens(1, 9, seed=5)[0], _tokens(1, 4, seed=6)[0], _tokens(1, 6, seed=7)[0]]
-    width = max(len(p) for p in prompts)
-    batch = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(batch)
-    for row, p in enumerate(prompts):
-        batch[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    batch, mask = left_padded(prompts, PAD)
+    width = batch.shape[1]
     steps = 6
     together = xmod_hf.generate(batch, attention_mask=mask, max_new_tokens=steps, do_sample=False, pad_token_id=PAD)
     for row, p in enumerate(prompts):
