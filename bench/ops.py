@@ -41,6 +41,7 @@ VIEW_OPS = {
     "aten::lift_fresh", "aten::split", "aten::chunk", "aten::unbind", "aten::narrow", "aten::flatten",
     "aten::contiguous", "aten::numpy_T", "aten::resolve_conj", "aten::resolve_neg", "aten::result_type",
     "aten::is_nonzero", "aten::_reshape_alias", "aten::view_as", "aten::expand_as", "aten::unflatten",
+    "aten::_has_compatible_shallow_copy_type",  # metadata check of `t.data = ...` (make_viewless_tensor)
 }
 PATHS = ("torch", "fused")
 # Frames that only pass ops through (the CPU patches' device mode, the kernels' launchers).

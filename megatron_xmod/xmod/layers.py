@@ -390,7 +390,7 @@ class XModSparseLayer(TransformerLayer):
         if gate is None:
             gate = torch.sigmoid(torch.gather(scores, 0, indices))
         r = gate.to(hidden_states.dtype)  # [k, b]
-        keep = torch.ones_like(r) if valid is None else valid.to(r.dtype)
+        keep = None if valid is None else valid.to(r.dtype)  # None: no padding, no multiply
         delta, gate = gated_residual(self.routing.family, attention, mlp, r, self._gate_scale(), keep)
         return scatter_gated(hidden_states, delta, gate, indices)
 
