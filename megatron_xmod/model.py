@@ -11,7 +11,7 @@ from megatron_xmod.presets import Backbone, parse_model
 from megatron_xmod.xmod.block import get_xmod_decoder_block_spec
 from megatron_xmod.xmod.config import XModConfig
 from megatron_xmod.xmod.layers import XModSparseLayer
-from megatron_xmod.xmod.routing_state import attach_routing_state
+from megatron_xmod.xmod.routing_state import attach_routing_state, install_capacity_check
 
 
 def config_from_backbone(backbone: Backbone, model: str = "dense", dense_prefix: int = 4, **overrides) -> XModConfig:
@@ -78,7 +78,9 @@ def build_gpt_model(
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
-    attach_routing_state(model, eval_rule=getattr(config, "xmod_eval_routing", "threshold"))
+    attach_routing_state(model, eval_rule=getattr(config, "xmod_eval_routing", "threshold"),
+                         eval_capacity_factor=getattr(config, "xmod_eval_capacity_factor", 1.0))
+    install_capacity_check(model)
     return model
 
 

@@ -141,11 +141,17 @@ def _count_syncs(family, steps):
             loss.backward()
         out["train"].append([str(hit) for hit in syncs.hits])
     model.eval()
-    for rule in ("threshold", "topk"):
-        tokens = torch.randint(0, 256, (BATCH, SEQ), generator=g)
+    tokens = torch.randint(0, 256, (BATCH, SEQ), generator=g)
+    state = sparse_layers(model)[0].routing_state
+    for rule in ("threshold", "threshold", "topk"):  # the first threshold pass sizes the second's widths
         with torch.no_grad(), eval_routing(model, rule), SyncCounter() as syncs:
-            model(tokens, positions, None, labels=tokens)
+            loss = model(tokens, positions, None, labels=tokens)
         out["eval_" + rule] = [str(hit) for hit in syncs.hits]
+        if rule == "threshold":
+            out["eval_threshold_loss"] = loss.float().sum().item()
+    state.eval_capacity_factor = 0  # exact widths
+    with torch.no_grad():
+        out["eval_exact_loss"] = model(tokens, positions, None, labels=tokens).float().sum().item()
     return out
 
 

@@ -16,7 +16,7 @@ import torch
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 from test_sparse_layer import HIDDEN, make_config, make_layer, reference_layer, rope_freqs
 
-from megatron_xmod.xmod.layers import _padding_mask
+from megatron_xmod.xmod.layers import _routed_document_mask
 
 EOD = 255
 
@@ -102,8 +102,8 @@ def test_document_masked_layer_matches_reference(seeded, family, rule):
 def test_sequence_parallel_code_path_applies_the_document_mask(seeded, rule):
     """The sequence-parallel update (_routed_update_sequence_parallel) at one rank, where its
     reduce-scatter and all-gather are identities: the same gathered mask as the reference. (Its end
-    padding to a multiple of T is masked as a key by the same mask builder, test below.)"""
-    from megatron_xmod.xmod.routing import padded_selection
+    padding to a multiple of T comes last, so causal order keeps it out, test below.)"""
+    from megatron_xmod.xmod.routing import capacity_selection
 
     generator = torch.Generator().manual_seed(3)
     _, mask, ids = documents(32, 2, generator)
@@ -115,7 +115,7 @@ def test_sequence_parallel_code_path_applies_the_document_mask(seeded, rule):
         if rule == "topk":
             indices, valid = torch.topk(scores, 8, dim=0).indices.sort(0).values, None
         else:
-            indices, valid = padded_selection(torch.sigmoid(scores) >= 0.5)
+            indices, valid, _ = capacity_selection(torch.sigmoid(scores) >= 0.5)
         return layer._routed_update_sequence_parallel(x, indices, scores, rope_freqs(32), valid, document_mask=mask)
 
     x = saturated_inputs(layer, 32, 2, generator)
@@ -124,22 +124,22 @@ def test_sequence_parallel_code_path_applies_the_document_mask(seeded, rule):
 
 
 def test_routed_mask_never_masks_a_whole_row():
-    """Padding rows and keys, document resets, and a mask that forbids everything: each routed token
-    still sees itself (an all-masked row would make SDPA return NaN)."""
+    """Document resets, padding at the end of a routed batch, and a mask that forbids everything: each
+    routed token still sees itself (an all-masked row would make SDPA return NaN)."""
     indices = torch.tensor([[0, 1], [3, 2], [5, 6], [5, 6]])  # [k, b]; the last row: end padding
-    valid = torch.tensor([[True, True], [True, True], [True, False], [False, False]])
     everything = torch.ones(1, 1, 8, 8, dtype=torch.bool)
-    masked = _padding_mask(valid, everything, indices)  # [b, 1, k, k], True = masked
+    masked = _routed_document_mask(everything, indices)  # [b, 1, k, k], True = masked
     assert masked.shape == (2, 1, 4, 4)
     assert torch.equal(~masked[:, 0], torch.eye(4, dtype=torch.bool).expand(2, 4, 4))
-    # megatron's reset mask: positions 0-2 one document, 3-7 another
+    assert _routed_document_mask(None, indices) is None  # plain causal: the core attention's own mask type
+    # megatron's reset mask: positions 0-2 one document, 3-7 another; causal in the batch's order
     reset = torch.ones(8, 8, dtype=torch.bool).tril()
     reset[3:, :3] = False
-    allowed = ~_padding_mask(valid, ~reset[None, None], indices)[:, 0]
+    allowed = ~_routed_document_mask(~reset[None, None], indices)[:, 0]
     assert allowed[0].tolist() == [[True, False, False, False], [False, True, False, False],
                                    [False, True, True, False], [False, True, True, True]]
     assert allowed[1].tolist() == [[True, False, False, False], [True, True, False, False],
-                                   [False, False, True, False], [False, False, False, True]]
+                                   [False, False, True, False], [False, False, True, True]]
 
 
 def test_non_sdpa_core_attention_refuses_a_document_mask(seeded):

@@ -5,8 +5,8 @@ ops that make the host wait for a GPU (``.item()``, ``nonzero``, boolean-mask in
 docstring for the list and what a CPU run can see). Training: zero in every mode (X-MoD and MoD with
 the router BCE, full recompute, DTop-p's router, the token-choice bias carried across a pipeline
 boundary, TP2 with sequence parallelism on two ranks), and the forward step's NaN check reads nothing
-beyond megatron's own check of the loss. Evaluation: none under top-k; the threshold rule reads each
-sparse layer's largest selection once (padded_selection, one sync per sparse layer; the reason is in
+beyond megatron's own check of the loss. Evaluation: none under top-k; under the threshold rule one per
+forward pass (the sparse layers run at static widths and the decoder reads once whether one overflowed;
 docs/routing.md, "Host synchronisation").
 
 The permutation ops check their index values on CPU tensors only (megatron_xmod/xmod/permute/dispatch.py,
@@ -127,14 +127,25 @@ def test_the_counter_sees_the_permutation_checks(seeded, monkeypatch):
 
 
 def test_evaluation_syncs(seeded):
-    """top-k: none; threshold: one per sparse layer, the width of its padded batch (padded_selection)."""
+    """top-k: none. threshold: one per forward pass, where the decoder reads the sparse layers' widest
+    selections (RoutingState.end_capacity_pass) and sizes the next pass's static widths; the first pass,
+    sized from L/K alone, overflows here (saturated routers select about half the tokens) and runs
+    again at exact widths, one read per sparse layer. With --xmod-eval-capacity-factor 0: one per
+    sparse layer, every pass."""
     model = _routed(tiny_model(LAYOUT, seq_len=SEQ)[0])
+    state = sparse_layers(model)[0].routing_state
     topk = _eval_syncs(model, "topk")
     assert topk.count == 0, topk.summary()
+    first = _eval_syncs(model, "threshold")
+    assert state.capacity_reruns == 1 and first.count == 1 + len(sparse_layers(model)), first.summary()
     threshold = _eval_syncs(model, "threshold")
-    assert threshold.count == len(sparse_layers(model)) == 2, threshold.summary()
-    assert all(hit.site.startswith("megatron_xmod/xmod/routing.py") and hit.site.endswith("in padded_selection")
-               for hit in threshold.hits), threshold.summary()
+    assert state.capacity_reruns == 1 and threshold.count == 1, threshold.summary()
+    assert threshold.hits[0].site.endswith("in end_capacity_pass"), threshold.summary()
+    state.eval_capacity_factor = 0
+    exact = _eval_syncs(model, "threshold")
+    assert exact.count == len(sparse_layers(model)) == 2, exact.summary()
+    assert all(hit.site.startswith("megatron_xmod/xmod/routing.py") and hit.site.endswith("in capacity_selection")
+               for hit in exact.hits), exact.summary()
 
 
 def test_dtopp_adds_no_host_sync(seeded, fresh_moe_tracker):
@@ -244,7 +255,7 @@ def _free_port() -> int:
 @pytest.mark.slow  # torchrun workers
 def test_tp2_sequence_parallel_training_has_no_host_sync():
     """Two ranks, TP2 with sequence parallelism, X-MoD and MoD: no sync in a training step on either
-    rank; evaluation as on one rank (threshold: one per sparse layer, top-k: none). Before the fix each
+    rank; evaluation as on one rank (threshold: one per forward pass, the same loss as at exact widths; top-k: none). Before the fix each
     sparse layer's sequence-parallel update and its written rows called nonzero: 2 per sparse layer, step and rank."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     result = subprocess.run(
@@ -259,5 +270,7 @@ def test_tp2_sequence_parallel_training_has_no_host_sync():
             run = r[family]
             assert run["train"] == [[]], (r["rank"], family, run["train"])
             assert run["eval_topk"] == [], (r["rank"], family, run["eval_topk"])
-            assert len(run["eval_threshold"]) == run["sparse_layers"] == 3, run["eval_threshold"]
-            assert all("in padded_selection" in hit for hit in run["eval_threshold"]), run["eval_threshold"]
+            # the second threshold pass: one read, its widths sized by the first
+            assert len(run["eval_threshold"]) == 1, run["eval_threshold"]
+            assert "in end_capacity_pass" in run["eval_threshold"][0], run["eval_threshold"]
+            assert run["eval_threshold_loss"] == run["eval_exact_loss"], run

@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_xmod.xmod.routing import (
+    capacity_selection,
+    eval_capacity,
     jaccard_tensor,
     padded_selection,
     route,
@@ -76,3 +78,29 @@ def test_padded_selection_keeps_all_selected_sorted_and_marks_padding():
     assert indices[:, 0].tolist() == [0, 1, 3] and valid[:, 0].tolist() == [False, True, True]
     assert not valid[:, 2].any()
     assert padded_selection(torch.zeros(4, 2, dtype=torch.bool)) == (None, None)
+
+
+def test_capacity_selection_lists_real_tokens_first_then_padding():
+    """Each column: its selected positions ascending, then its earliest unselected ones (valid False);
+    at a capacity below a column's selection that column keeps its earliest C and the width says so."""
+    selected = torch.tensor([[0, 1, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    indices, valid, width = capacity_selection(selected)  # exact: the host reads the width
+    assert width == 3 and indices.shape == (3, 3)
+    assert indices[:, 0].tolist() == [1, 3, 0] and valid[:, 0].tolist() == [True, True, False]
+    assert indices[:, 1].tolist() == [0, 2, 3] and valid[:, 1].all()
+    assert indices[:, 2].tolist() == [0, 1, 2] and not valid[:, 2].any()
+    for j in range(3):  # unique per column, and the real tokens are exactly the selected ones
+        assert len(set(indices[:, j].tolist())) == 3
+        assert sorted(indices[valid[:, j], j].tolist()) == selected[:, j].nonzero().flatten().tolist()
+    indices, valid, width = capacity_selection(selected, capacity=4)  # static: no host read
+    assert torch.is_tensor(width) and int(width) == 3 and indices.shape == (4, 3)
+    assert indices[:, 0].tolist() == [1, 3, 0, 2] and valid.sum(0).tolist() == [2, 3, 0]
+    indices, valid, width = capacity_selection(selected, capacity=2)  # overflow: width > capacity
+    assert int(width) == 3 and indices[:, 1].tolist() == [0, 2] and valid[:, 1].all()
+    assert capacity_selection(torch.zeros(4, 2, dtype=torch.bool)) == (None, None, 0)
+
+
+def test_eval_capacity_rounds_up_to_eight_within_the_sequence():
+    assert eval_capacity(2048, 2048 / 8) == 256
+    assert eval_capacity(2048, 257.5) == 264
+    assert eval_capacity(20, 0.2) == 8 and eval_capacity(5, 3) == 5 and eval_capacity(64, 0) == 1

@@ -7,6 +7,7 @@ specs (so a sparse layer itself needs no more than megatron's ``TransformerConfi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -71,6 +72,12 @@ class XModConfig(TransformerConfig):
     """Routing rule in eval mode when the model is built: threshold (deployable, causal) or topk (for
     comparison). The built model keeps it in its routing state (``routing_state.set_eval_routing``)."""
 
+    xmod_eval_capacity_factor: float = 1.0
+    """Threshold-rule evaluation at static shapes: a sparse layer batches each sequence's selection at
+    max(this x L/K, 1.25 x its widest selection in the previous pass) tokens, and the decoder reads once
+    per forward pass whether a sequence selected more (then the pass runs again at exact widths). 0: each
+    sparse layer reads its exact width from the device instead (one host sync per layer)."""
+
     layer_layout: Optional[Layout] = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -94,6 +101,10 @@ class XModConfig(TransformerConfig):
             activated_depth=activated,
         )
         check_eval_rule(self.xmod_eval_routing)
+        factor = self.xmod_eval_capacity_factor
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 0):
+            raise ValueError(f"xmod_eval_capacity_factor: must be a finite number >= 0 (0: exact widths, one host sync "
+                             f"per sparse layer), got {factor!r}")
         if family == "mod" and self.xmod_anchor_stride is not None:
             raise ValueError("xmod_anchor_stride: MoD has no anchor stride (it alternates sparse and dense)")
         if self.layer_layout.num_sparse_layers == 0:

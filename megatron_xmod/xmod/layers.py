@@ -30,9 +30,9 @@ from megatron_xmod.xmod.kernels import routing_step
 from megatron_xmod.xmod.permute import gather_tokens, scatter_gated
 from megatron_xmod.xmod.routing import (
     SparseLayerRouting,
+    capacity_selection,
     gated_residual,
     jaccard_tensor,
-    padded_selection,
     router_bce_loss,
 )
 from megatron_xmod.xmod.routing_state import RoutingState, flat_rows, recompute_phase, router_logits
@@ -132,27 +132,23 @@ def _gather_positions(rotary_pos_emb, indices: torch.Tensor):
     return rotary_pos_emb[:, 0, 0][indices].unsqueeze(2)
 
 
-def _padding_mask(valid: Optional[torch.Tensor], document_mask: Optional[torch.Tensor] = None,
-                  indices: Optional[torch.Tensor] = None):
-    """Attention mask of the routed batch, megatron's convention (True = masked), [b, 1, k, k]; None:
-    plain causal (the core attention's own mask type).
+def _routed_document_mask(document_mask: Optional[torch.Tensor], indices: torch.Tensor):
+    """The attention mask of a routed batch, megatron's convention (True = masked), [b, 1, k, k]; None
+    (no ``document_mask``): plain causal, the core attention's own mask type.
 
-    Causal among routed tokens; with ``valid`` ([k, b], a padded batch) padding is visible to itself
-    only; with ``document_mask`` (megatron's [b or 1, 1, s, s] mask of the whole sequence, e.g. the
-    block-diagonal causal mask of --reset-attention-mask) a routed token at position ``indices[q, j]``
-    also sees only the routed keys ``indices[:, j]`` that mask allows it. A token always sees itself,
-    so no row is all masked (SDPA would return NaN there): a routed token that is the first routed one
-    of its document attends to itself only."""
-    if valid is None and document_mask is None:
+    A routed batch lists each sequence's routed tokens in position order, then any padding (the threshold
+    rule's, capacity_selection; sequence parallelism's end padding), so causal order alone keeps real
+    tokens causal and blind to the padding. ``document_mask`` is megatron's [b or 1, 1, s, s] mask of the
+    whole sequence (e.g. the block-diagonal causal mask of --reset-attention-mask): a routed token at
+    position ``indices[q, j]`` then also sees only the routed keys ``indices[:, j]`` that mask allows it.
+    A token always sees itself, so no row is all masked (SDPA would return NaN there): a routed token
+    that is the first routed one of its document attends to itself only."""
+    if document_mask is None:
         return None
-    k = (valid if valid is not None else indices).shape[0]
-    device = (valid if valid is not None else indices).device
-    eye = torch.eye(k, dtype=torch.bool, device=device)
-    allowed = torch.ones(k, k, dtype=torch.bool, device=device).tril().unsqueeze(0)  # [1, k, k]
-    if valid is not None:
-        allowed = allowed & valid.t()[:, None, :]
-    if document_mask is not None:
-        allowed = allowed & ~_gather_document_mask(document_mask, indices)
+    k = indices.shape[0]
+    eye = torch.eye(k, dtype=torch.bool, device=indices.device)
+    allowed = torch.ones(k, k, dtype=torch.bool, device=indices.device).tril().unsqueeze(0)  # [1, k, k]
+    allowed = allowed & ~_gather_document_mask(document_mask, indices)
     return ~(allowed | eye).unsqueeze(1)
 
 
@@ -253,25 +249,19 @@ class XModSparseLayer(TransformerLayer):
                                             routing.token_choice_bias_increment, bias_out=bias_out)
         state.observe(self.layer_number, logits, decision)
 
-        if decision.topk_indices is not None:
-            output = self._routed_update(hidden_states, decision.topk_indices, decision.scores, rotary_pos_emb,
+        indices = decision.topk_indices
+        if indices is not None:
+            output = self._routed_update(hidden_states, indices, decision.scores, rotary_pos_emb,
                                          gate=gate, document_mask=attention_mask)
-        elif isinstance(self.self_attention.core_attention, SDPAttention):
-            # Threshold routing selects a different number of tokens per sequence: pad to the longest
-            # and mask the padding out of attention (SDPA takes the explicit mask).
-            indices, valid = padded_selection(decision.selected)
+        else:
+            # The threshold rule (evaluation) selects a different number of tokens per sequence: batch them
+            # at the pass's static capacity (the decoder checks for overflow once, RoutingState.eval_capacity)
+            # or at the exact largest selection (one host read), real tokens first, padding last.
+            capacity = state.eval_capacity(self.layer_number, seq_len, routing.sparsity_k, logits.device)
+            indices, valid, width = capacity_selection(decision.selected, capacity)
+            state.note_width(self.layer_number, width)
             output = hidden_states if indices is None else self._routed_update(
                 hidden_states, indices, decision.scores, rotary_pos_emb, valid, document_mask=attention_mask)
-        else:
-            # Other attention backends honour only their causal mask type: route sequence by sequence
-            # (a document mask was refused above).
-            columns = []
-            for j in range(batch):
-                indices = decision.selected[:, j].nonzero()  # [k_j, 1], ascending positions
-                x = hidden_states[:, j : j + 1]
-                columns.append(x if indices.numel() == 0 else
-                               self._routed_update(x, indices, decision.scores[:, j : j + 1], rotary_pos_emb))
-            output = torch.cat(columns, dim=1)
 
         bce = None
         if self.training and routing.router_bce_coeff > 0:
@@ -287,7 +277,7 @@ class XModSparseLayer(TransformerLayer):
         # which refuses a view. Same storage, same values; the router-input chain is handed this object.
         output = make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
         if chain is not None:  # the next routed layer of the block rebuilds its router input from these rows
-            state.router_inputs.put(self.layer_number, chain, output, self._written_rows(decision, hidden_states.shape[0]))
+            state.router_inputs.put(self.layer_number, chain, output, self._written_rows(indices, hidden_states.shape[0]))
         return output, context
 
     # --- megatron's CUDA graphs (--cuda-graph-impl local | transformer_engine) -----------------------
@@ -353,19 +343,18 @@ class XModSparseLayer(TransformerLayer):
         start = self.tp_group.rank() * local_len if self.config.sequence_parallel else 0
         return slice(start, start + local_len)
 
-    def _written_rows(self, decision, local_len: int) -> torch.Tensor:
-        """Flat rows ([s*b, h] view) of this rank's slice that the layer may have changed.
+    def _written_rows(self, indices: Optional[torch.Tensor], local_len: int) -> torch.Tensor:
+        """Flat rows ([s*b, h] view) of this rank's slice that the layer may have changed, from the
+        positions ``indices`` [k, b] of the batch it ran (None: it ran none).
 
-        Top-k (training): a static [k*b] index, no host sync. Under sequence parallelism the routed
-        positions that another rank holds point at row 0 of their sequence instead: the chain
-        (routing_state.RouterInputChain) reads every listed row from this layer's output and copies it
-        back into the rebuilt input, so a row listed twice, or one the layer did not change, gets its
-        own current value: exact. The cost is min(k, s/T)*b rows per layer on every rank instead of this
-        rank's share (when k >= s/T, all of its rows). Threshold routing (evaluation with autograd on)
-        lists the selected rows themselves."""
-        indices = decision.topk_indices
+        A static [k*b] index, no host sync. The chain (routing_state.RouterInputChain) reads every
+        listed row from this layer's output and copies it back into the rebuilt input, so a row listed
+        twice, or one the layer did not change (the padding of a threshold batch), gets its own current
+        value: exact. Under sequence parallelism the routed positions that another rank holds point at
+        row 0 of their sequence instead; the cost is min(k, s/T)*b rows per layer on every rank instead
+        of this rank's share (when k >= s/T, all of its rows)."""
         if indices is None:
-            return decision.selected[self._local_rows(local_len)].reshape(-1).nonzero().squeeze(1)
+            return torch.empty(0, dtype=torch.long, device=self.router.weight.device)
         if self.config.sequence_parallel and indices.shape[0] >= local_len:
             return torch.arange(local_len * indices.shape[1], device=indices.device)
         if self.config.sequence_parallel:
@@ -384,15 +373,18 @@ class XModSparseLayer(TransformerLayer):
         if self.config.sequence_parallel:
             return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid, gate,
                                                          document_mask)
-        routed = gather_tokens(hidden_states, indices)
-        attention_mask = _padding_mask(valid, document_mask, indices)
+        # A threshold batch (valid given) is not sorted past its real tokens: plain-torch permutation.
+        backend = None if valid is None else "torch"
+        routed = gather_tokens(hidden_states, indices, backend=backend, check=False if valid is not None else None)
+        attention_mask = _routed_document_mask(document_mask, indices)
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
         if gate is None:
             gate = torch.sigmoid(torch.gather(scores, 0, indices))
         r = gate.to(hidden_states.dtype)  # [k, b]
         keep = None if valid is None else valid.to(r.dtype)  # None: no padding, no multiply
         delta, gate = gated_residual(self.routing.family, attention, mlp, r, self._gate_scale(), keep)
-        return scatter_gated(hidden_states, delta, gate, indices)
+        return scatter_gated(hidden_states, delta, gate, indices, backend=backend,
+                             check=False if valid is not None else None)
 
     def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None,
                                          document_mask=None):
@@ -422,9 +414,7 @@ class XModSparseLayer(TransformerLayer):
         rows = hidden_states.reshape(-1, hidden).index_select(0, flat_rows(local, batch)).view(-1, batch, hidden)
         rows = torch.where(mine.unsqueeze(-1), rows, 0)
         routed = reduce_scatter_to_sequence_parallel_region(rows, group=group)  # [(k + pad) / T, b, h]
-        # End padding: causal suffices, unless a mask is built anyway (then it masks the padding keys).
-        attention_mask = (None if valid is None and document_mask is None else
-                          _padding_mask(real, document_mask, indices))
+        attention_mask = _routed_document_mask(document_mask, indices)  # the end padding comes last: causal suffices
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
         part = slice(rank * routed.shape[0], (rank + 1) * routed.shape[0])
         r = (torch.sigmoid(torch.gather(scores, 0, indices[part])) if gate is None else

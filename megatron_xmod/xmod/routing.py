@@ -135,6 +135,40 @@ def padded_selection(selected: torch.Tensor):
     return indices, torch.gather(selected, 0, indices)
 
 
+def eval_capacity(seq_len: int, tokens: float) -> int:
+    """A static width of a threshold-routed batch for about ``tokens`` tokens a sequence: rounded up to a
+    multiple of 8 (matmul-friendly shapes), at least 1, at most L (see RoutingState.eval_capacity)."""
+    return max(1, min(seq_len, -(-math.ceil(tokens) // 8) * 8))
+
+
+def capacity_selection(selected: torch.Tensor, capacity: Optional[int] = None):
+    """Batch the threshold rule's variable per-sequence selection ``[s, b]`` into ``[C, b]``:
+    ``(indices, valid, width)``.
+
+    Column j lists its selected positions in ascending order, then its earliest unselected positions
+    as padding (``valid`` False). Real tokens come first, so plain causal attention among the batch
+    keeps them causal and away from the padding on every attention backend, without a mask; the
+    caller gives the padding a zero gate. The indices are unique per column but not sorted past the
+    real tokens: they go through the plain-torch permutation.
+
+    ``width`` is the largest selection of any column. ``capacity`` None: C = width, read by the host
+    (an int; one sync), and ``(None, None, 0)`` when nothing is selected. ``capacity`` C: a static shape
+    and no sync; ``width`` stays a 0-d device tensor, and a column that selected more than C tokens
+    lost those past C (the caller must then route again without a capacity).
+    """
+    seq_len = selected.shape[0]
+    width = selected.sum(0).max()
+    if capacity is None:
+        capacity = width = int(width)
+        if width == 0:
+            return None, None, 0
+    positions = torch.arange(seq_len, device=selected.device).unsqueeze(1)
+    selected_first = torch.where(selected, positions, positions + seq_len)
+    # the C smallest keys of each column, in ascending order: selected positions, then padding
+    keys = torch.topk(selected_first, capacity, dim=0, largest=False, sorted=True).values
+    return keys % seq_len, keys < seq_len, width
+
+
 def update_token_choice_bias(
     token_choice_bias: Optional[torch.Tensor], selected: torch.Tensor, increment: float,
     out: Optional[torch.Tensor] = None,

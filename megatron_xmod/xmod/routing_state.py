@@ -56,7 +56,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_xmod.xmod.routing import check_eval_rule
+from megatron_xmod.xmod.routing import check_eval_rule, eval_capacity
 
 NONFINITE = "nonfinite_router_logits"
 # Hidden columns of the statistics table: a recorder writes the number of finite router logits and the
@@ -84,8 +84,21 @@ class RoutingState:
     forward: the table then grows, before any capture).
     """
 
-    def __init__(self, eval_rule: str = "threshold"):
+    def __init__(self, eval_rule: str = "threshold", eval_capacity_factor: Optional[float] = 1.0):
         self.eval_rule = check_eval_rule(eval_rule)
+        # Threshold-rule evaluation at a static width (docs/routing.md, "Host synchronisation"): each
+        # sparse layer batches its selection at eval_capacity_factor x L/K tokens a sequence, and the
+        # chunk's decoder reads once per forward pass whether one overflowed (install_capacity_check,
+        # which sets capacity_checked). Without that check, or with a factor of 0 or None, every sparse
+        # layer reads the width of its selection from the device instead.
+        self.eval_capacity_factor = eval_capacity_factor
+        self.capacity_checked = False
+        self.capacity_reruns = 0  # forward passes run again at exact widths after an overflow
+        self._exact_widths = False
+        self._before_pass: Optional[tuple] = None  # what the pass may change, saved at its first sparse layer
+        self._widths: Optional[torch.Tensor] = None  # [rows] int64: each layer's widest selection of the pass
+        self._capacity: dict[int, tuple[int, int]] = {}  # layer -> (capacity, L) used in this pass
+        self._widest: dict[tuple[int, int], int] = {}  # (layer, L) -> widest selection of its last pass
         # Training iteration being run (set_iteration, called by the entry point's forward step with
         # megatron's args.curr_iteration): the token-choice bias warm-up reads it. None outside training:
         # a trained model, full tau.
@@ -207,6 +220,84 @@ class RoutingState:
         if selected is not selected_buffer:
             selected_buffer.copy_(selected)
 
+    # --- threshold-rule evaluation at a static width ------------------------------------------------
+    def eval_capacity(self, layer_number: int, seq_len: int, sparsity_k: int, device) -> Optional[int]:
+        """The static width of sparse layer ``layer_number``'s threshold batch in this forward pass, or None:
+        the layer reads its exact width from the device (one host sync). The width is
+        max(eval_capacity_factor x L/K, 1.25 x the layer's widest selection in the previous pass), rounded
+        up to a multiple of 8 (routing.eval_capacity). A capacity needs the decoder's overflow check
+        (:func:`install_capacity_check`); observers (the routing report) see one pass, at exact widths.
+        The pass's first sparse layer saves what the pass may change, so that an overflowing pass can be
+        undone and run again."""
+        if not (self.capacity_checked and self.eval_capacity_factor) or self._exact_widths or self.observers:
+            return None
+        if self._before_pass is None:
+            self._start_capacity_pass(device)
+        tokens = self.eval_capacity_factor * seq_len / sparsity_k
+        previous = self._widest.get((layer_number, seq_len))
+        capacity = eval_capacity(seq_len, tokens if previous is None else max(tokens, 1.25 * previous))
+        self._capacity[layer_number] = (capacity, seq_len)
+        return capacity
+
+    def _start_capacity_pass(self, device) -> None:
+        rows = len(self._layers)
+        if self._widths is None or self._widths.numel() != rows or self._widths.device != torch.device(device):
+            self._widths = torch.zeros(rows, dtype=torch.long, device=device)
+        self._capacity.clear()
+        stats = None if self._stats is None else self._stats.clone()
+        handover = {key: (bias.clone(), selected.clone()) for key, (bias, selected) in self._handover.items()}
+        self._before_pass = (stats, handover)
+
+    def note_width(self, layer_number: int, width) -> None:
+        """The widest selection of a sequence in ``layer_number``'s threshold batch: an int (exact width,
+        read already) or a 0-d device tensor (capacity pass: kept on the device until the pass ends)."""
+        if isinstance(width, torch.Tensor):
+            self._widths[self._row[layer_number]] = width
+        elif layer_number in self._capacity:
+            self._widest[(layer_number, self._capacity[layer_number][1])] = width
+
+    def end_capacity_pass(self) -> bool:
+        """End of a forward pass: True when one of its sparse layers selected more tokens of a sequence
+        than its capacity; the statistics and hand-over buffers are then as they were before the pass,
+        to run it again at exact widths (:meth:`exact_widths`). One host read (the layers' widest
+        selections, which also size the next pass), made only if a layer used a capacity."""
+        before, self._before_pass = self._before_pass, None
+        if before is None:
+            return False
+        widths = self._widths.tolist()  # the pass's one host sync
+        overflow = False
+        for layer_number, (capacity, seq_len) in self._capacity.items():
+            width = widths[self._row[layer_number]]
+            self._widest[(layer_number, seq_len)] = width
+            overflow |= width > capacity
+        if not overflow:
+            return False
+        stats, handover = before
+        if stats is not None and self._stats is not None and stats.shape == self._stats.shape:
+            self._stats.copy_(stats)
+        elif self._stats is not None:  # allocated by this pass: there were no statistics before it
+            self._stats.zero_()
+        for key, (bias, selected) in self._handover.items():
+            saved = handover.get(key)
+            if saved is None:  # created by this pass: it started as zeros
+                bias.zero_()
+                selected.zero_()
+            else:
+                bias.copy_(saved[0])
+                selected.copy_(saved[1])
+        self.router_inputs.clear()
+        self.capacity_reruns += 1
+        return True
+
+    @contextlib.contextmanager
+    def exact_widths(self):
+        """Every sparse layer reads the exact width of its threshold selection (the rerun of an overflow)."""
+        self._exact_widths = True
+        try:
+            yield
+        finally:
+            self._exact_widths = False
+
     def observe(self, layer_number: int, logits: torch.Tensor, decision) -> None:
         for observer in self.observers:
             observer(layer_number, logits, decision)
@@ -313,12 +404,13 @@ def is_recorder(module: torch.nn.Module) -> bool:
     return hasattr(type(module), "ROUTING_METRICS")
 
 
-def attach_routing_state(model: torch.nn.Module, eval_rule: str = "threshold") -> RoutingState:
+def attach_routing_state(model: torch.nn.Module, eval_rule: str = "threshold",
+                         eval_capacity_factor: Optional[float] = 1.0) -> RoutingState:
     """Give every recorder of the built model chunk ``model`` one shared :class:`RoutingState`
     (kept as ``model.routing_state``); idempotent."""
     state = getattr(model, "routing_state", None)
     if not isinstance(state, RoutingState):
-        state = RoutingState(eval_rule)
+        state = RoutingState(eval_rule, eval_capacity_factor)
         model.routing_state = state
     for module in model.modules():
         if is_recorder(module):
@@ -326,6 +418,34 @@ def attach_routing_state(model: torch.nn.Module, eval_rule: str = "threshold") -
             if getattr(module, "layer_number", None) is not None:
                 state.register(module.layer_number, type(module).ROUTING_METRICS)
     return state
+
+
+def install_capacity_check(model: torch.nn.Module) -> bool:
+    """Let the threshold rule of ``model``'s sparse layers run at a static width (no host read per
+    layer): a forward hook on the chunk's decoder (megatron's TransformerBlock, ``model.decoder``) reads
+    once per pass whether a layer overflowed its capacity and, if one did, runs the decoder again at
+    exact widths and returns that output. The rerun calls ``forward`` itself with the arguments the
+    first run got (after the decoder's pre-hooks, such as the pipeline carry's input split), and the
+    routing state is restored first, so the result is that of an exact pass. False (nothing installed)
+    for a model without a decoder or without recorders."""
+    state = getattr(model, "routing_state", None)
+    decoder = getattr(model, "decoder", None)
+    if not isinstance(state, RoutingState) or decoder is None:
+        return False
+    if not state.capacity_checked:
+        def rerun_at_exact_widths(module, args, kwargs, output):
+            if not state.end_capacity_pass():
+                return None
+            with state.exact_widths():
+                return module.forward(*args, **kwargs)
+
+        def start_pass(module, args):
+            state._before_pass = None  # a pass that raised leaves nothing behind for the next one
+
+        decoder.register_forward_pre_hook(start_pass)
+        decoder.register_forward_hook(rerun_at_exact_widths, with_kwargs=True)
+        state.capacity_checked = True
+    return True
 
 
 def routing_states(model_chunks: torch.nn.Module | Iterable[torch.nn.Module]) -> list[RoutingState]:
