@@ -95,8 +95,10 @@ class RoutingState:
       layer of the block reads them (:meth:`take_bias`);
     - the interval statistics: one float32 table [layers, 2, metrics] (sums, then counts) to which a
       recorder adds all its values of one call with one ``torch.stack`` and one ``index_add_``
-      (:meth:`record_values`); the table's last two entries accumulate the micro-batch's router
-      losses (sum, count), taken by :func:`take_microbatch_loss`.
+      (:meth:`record_values`), or the top-k routing step of a sparse layer adds them itself, by atomic
+      adds in the fused kernel (:meth:`step_statistics`); the table's last two entries accumulate the
+      micro-batch's router losses (sum, count), taken by :func:`take_microbatch_loss`. Under top-k
+      the adjacent Jaccard is pooled: its sum is the intersections, its count the unions.
 
     Layers and metrics are registered by :func:`attach_routing_state` (or by a recorder's first
     forward: the table then grows, before any capture).

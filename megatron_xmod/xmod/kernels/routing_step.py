@@ -10,6 +10,12 @@ tokens, from the router logits the layer computed.
   tested against the torch path. It has no host synchronisation and only static shapes
   (k = L/K), so it can be captured in a CUDA graph.
 
+Both write the same destinations (the routing state's buffers, in place): the updated bias, the
+routed set, the call's routing statistics and the router BCE (Eq.9). So a sparse layer under top-k
+issues no op for them; the two backends leave identical tables (integer counts in fp32), but for the
+BCE, a float sum in another order (on a GPU the per-sequence atomic adds make its last bits vary from
+run to run).
+
 Selection, highest priority first: the ``backend=`` argument, the ``XMOD_ROUTING_BACKEND``
 environment variable (``auto|triton|torch``), then ``auto``: triton for CUDA tensors when Triton
 imports, torch otherwise. Triton on CPU tensors needs ``TRITON_INTERPRET=1`` (tests) and is only

@@ -4,16 +4,22 @@
 Imported lazily by the dispatcher: ``TRITON_INTERPRET=1`` is read when the ``@triton.jit`` kernels
 below are defined, so the CPU interpreter only works if it is set before this import.
 
-One launch forward, one backward, instead of the torch path's ~12 ops forward and ~6 backward:
+One launch forward, one backward, instead of the torch path's ops (top-k, sort, mask, bias update,
+gate, statistics, router BCE, and their backward):
 
 - ``_select_kernel`` (one program per sequence): the bias-adjusted score s - tau*b (Eq.8), the
   exact top-k of the scores by a radix search on their order-preserving integer keys (8 passes of
   4 bits; no sort: ties at the k-th value go to the earliest positions), then one pass in position order
-  that writes the scores, the sorted indices, the selected mask, the updated bias
-  b + increment*selected, the gate r = sigmoid(score) of every routed token and each token's slot
-  j in the routed list (-1 if not routed; the backward reads it);
+  that writes the scores, the sorted indices and their flat rows t*b + c, the selected mask, the
+  updated bias b + increment*selected (into the routing state's hand-over buffer, possibly the
+  carried bias itself), the gate r = sigmoid(score) of every routed token, each token's slot j in
+  the routed list (-1 if not routed; the backward reads it) and, when asked, the routed set into the
+  hand-over buffer and the router BCE (Eq.9) per sequence. The sequence's statistics (finite logits,
+  covered tokens, |previous & selected| and |previous | selected|, the BCE) go into the routing
+  state's table by atomic adds at offsets the state keeps (routing_state.StepStatistics); program 0
+  also adds the call's constants. Nothing is left for torch ops to record;
 - ``_scores_backward_kernel`` (grid: token blocks x sequences): d logit = d score + [routed]
-  d r * r(1-r).
+  d r * r(1-r) + d loss * coeff (sigmoid(score) - q) / (s b).
 
 The router logits themselves come from the layer (megatron_xmod.xmod.routing_state.router_logits keeps one
 saved router input per block), so this kernel saves nothing of size [s, b, h].
