@@ -322,11 +322,68 @@ def test_gpu_routing_step_is_cuda_graph_capturable():
         assert torch.equal(out.bias, ref.bias)
 
 
+@needs_gpu
+def test_gpu_routing_step_into_the_state_is_cuda_graph_capturable():
+    """Captured with the routing state's destinations (hand-over buffers, statistics table, router BCE)
+    and replayed twice on new logits: the buffers and the table are those of two eager torch-path calls
+    (not verified on a GPU when written: no device was available)."""
+    from megatron_xmod.xmod.routing_state import RoutingState
+
+    s, K, b = shape = (4096, 8, 4)
+    logits, bias, _ = make_case(shape, device="cuda")
+    previous = torch.rand(s, b, device="cuda") < 1 / K
+
+    def destinations(state):
+        bias_buffer, selected_buffer = state.bias_buffers((s, b), "cuda")
+        stats = state.step_statistics(3, "", (s, b), (s // K) * b, True, True, "cuda")
+        return bias_buffer, dict(bias_out=bias_buffer, selected_out=selected_buffer,
+                                 previous_selected=selected_buffer, statistics=stats, bce_coeff=0.1)
+
+    def reset(state):
+        state._stats.zero_()
+        bias_buffer, selected_buffer = state.bias_buffers((s, b), "cuda")
+        bias_buffer.copy_(bias)
+        selected_buffer.copy_(previous)
+
+    fused, ref = RoutingState(), RoutingState()
+    static_logits = logits.detach().clone()
+    carried, kw = destinations(fused)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        routing_step(static_logits, K, "topk", carried, 0.5, backend="triton", **kw)  # compile
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        routing_step(static_logits, K, "topk", carried, 0.5, backend="triton", **kw)
+    ref_carried, ref_kw = destinations(ref)
+    reset(fused)
+    reset(ref)
+    for seed in (1, 2):
+        new_logits = make_case(shape, seed=seed, device="cuda")[0].detach()
+        static_logits.copy_(new_logits)
+        graph.replay()
+        with torch.no_grad():
+            routing_step_torch(new_logits, K, "topk", ref_carried, 0.5, 1.0, **ref_kw)
+    torch.cuda.synchronize()
+    for got, want in zip(fused.bias_buffers((s, b), "cuda"), ref.bias_buffers((s, b), "cuda")):
+        assert torch.equal(got, want)
+    stats = kw["statistics"]
+    bce_at = stats.offsets[stats.offsets.numel() - stats.constants.numel() - 2:][:2]
+    exact = torch.ones_like(fused._stats, dtype=torch.bool)
+    exact[bce_at] = False
+    assert torch.equal(fused._stats[exact], ref._stats[exact])
+    torch.testing.assert_close(fused._stats[~exact], ref._stats[~exact], rtol=1e-5, atol=1e-7)
+
+
 @needs_interp
 def test_triton_interp_sparse_layer_trains_the_same(seeded, monkeypatch):
-    """A tiny X-MoD model through megatron: loss and every gradient agree between the fused routing
-    step and the torch path, and the fused one really ran in the sparse layers."""
+    """A tiny X-MoD model through megatron: loss, every gradient and the recorded routing statistics
+    agree between the fused routing step and the torch path, and the fused one really ran in the
+    sparse layers."""
     from helpers import tiny_model
+
+    from megatron_xmod.xmod.routing_state import report, take_microbatch_loss
 
     def loss_and_grads(backend):
         monkeypatch.setenv(kernels.ENV_BACKEND, backend)
@@ -335,13 +392,17 @@ def test_triton_interp_sparse_layer_trains_the_same(seeded, monkeypatch):
         tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
         loss = model(tokens, torch.arange(32).expand(2, 32), None, labels=tokens).float().mean()
         loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, take_microbatch_loss(model), report(model)
 
     before = kernels.launch_counts["triton"]
-    fused_loss, fused_grads = loss_and_grads("triton")
+    fused_loss, fused_grads, fused_router_loss, fused_stats = loss_and_grads("triton")
     assert kernels.launch_counts["triton"] == before + 2  # two sparse layers
-    torch_loss, torch_grads = loss_and_grads("torch")
+    torch_loss, torch_grads, torch_router_loss, torch_stats = loss_and_grads("torch")
     torch.testing.assert_close(fused_loss, torch_loss)
+    torch.testing.assert_close(fused_router_loss, torch_router_loss)
+    assert fused_stats.keys() == torch_stats.keys() and "adjacent_jaccard/layer_003" in fused_stats, fused_stats
+    assert fused_stats == pytest.approx(torch_stats, rel=1e-6), (fused_stats, torch_stats)
     assert fused_grads.keys() == torch_grads.keys() and any("router" in n for n in fused_grads)
     for name in torch_grads:
         torch.testing.assert_close(fused_grads[name], torch_grads[name], msg=name)
