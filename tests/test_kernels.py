@@ -124,6 +124,129 @@ def test_triton_interp_threshold_rule_takes_the_torch_path():
     assert step.gate is None and torch.equal(step.decision.selected, step.decision.scores >= 0)
 
 
+# ---------------------------------------------------------------- statistics and hand-over buffers
+
+def step_into_state(backend, logits, carried, previous, K, bce_coeff=0.0, tau=0.5, layer=3):
+    """One routing step writing into a fresh RoutingState's buffers as a sparse layer does: the carried
+    bias and the previous routed set are the hand-over buffers themselves (written in place)."""
+    from megatron_xmod.xmod.routing_state import RoutingState
+
+    state = RoutingState()
+    s, b = logits.shape
+    bias_buffer, selected_buffer = state.bias_buffers((s, b), logits.device)
+    if carried is not None:
+        bias_buffer.copy_(carried)
+    if previous is not None:
+        selected_buffer.copy_(previous)
+    stats = state.step_statistics(layer, "", (s, b), (s // K) * b, previous is not None, bce_coeff > 0, logits.device)
+    x = logits.detach().clone().requires_grad_(True)
+    step = (routing_step_torch if backend == "torch" else routing_step)(
+        x, K, "topk", bias_buffer if carried is not None else None, tau, 1.0, bias_out=bias_buffer,
+        selected_out=selected_buffer, previous_selected=selected_buffer if previous is not None else None,
+        statistics=stats, bce_coeff=bce_coeff, **({} if backend == "torch" else dict(backend=backend)))
+    return state, stats, step, x
+
+
+def check_state_equal(case, bce_coeff):
+    s, K, b = 64, 8, 3
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(s, b, generator=gen)
+    if case["nonfinite"]:  # a NaN (routed first: the largest key) and +-inf logits
+        logits[5, 0], logits[9, 1], logits[2, 2] = float("nan"), float("inf"), float("-inf")
+    carried = (torch.rand(s, b, generator=gen) < 0.3).float() * 2 if case["carried"] else None
+    previous = torch.rand(s, b, generator=gen) < 0.125 if case["previous"] else None
+    grads = torch.randn(s, b, generator=gen), torch.randn(s // K, b, generator=gen)
+    results = {}
+    for backend in ("torch", "triton"):
+        state, stats, step, x = step_into_state(backend, logits, carried, previous, K, bce_coeff)
+        loss = (step.decision.scores * grads[0]).sum() + (step.gate * grads[1]).sum()
+        if bce_coeff:
+            loss = loss + step.router_loss.sum()
+        (dx,) = torch.autograd.grad(loss, [x])
+        results[backend] = state, stats, step, dx
+    (ref_state, stats, ref, ref_dx), (state, _, out, dx) = results["torch"], results["triton"]
+    ref_bias, ref_selected = ref_state.bias_buffers((s, b), "cpu")
+    bias, selected = state.bias_buffers((s, b), "cpu")
+    assert out.bias is bias and ref.bias is ref_bias  # written into the hand-over buffer, in place
+    assert torch.equal(bias, ref_bias) and torch.equal(selected, ref_selected)
+    assert torch.equal(selected, out.decision.selected)
+    assert torch.equal(out.flat_rows, ref.flat_rows)
+    assert torch.equal(out.flat_rows, (out.decision.topk_indices * b + torch.arange(b)).reshape(-1))
+    # Counts are integers in fp32: the tables agree exactly but for the BCE (a float sum, other order).
+    table, ref_table = state._stats, ref_state._stats
+    bce_at = stats.offsets[stats.offsets.numel() - stats.constants.numel() - 2:][:2] if bce_coeff else []
+    exact = torch.ones_like(table, dtype=torch.bool)
+    exact[bce_at] = False
+    assert torch.equal(table[exact], ref_table[exact]), (table, ref_table)
+    assert table[exact].sum() > 0
+    if bce_coeff:
+        torch.testing.assert_close(table[~exact], ref_table[~exact], rtol=1e-6, atol=1e-7, equal_nan=True)
+        torch.testing.assert_close(out.router_loss.sum(), ref.router_loss, rtol=1e-6, atol=1e-8, equal_nan=True)
+    torch.testing.assert_close(dx, ref_dx, atol=1e-6, rtol=1e-5, equal_nan=True)
+
+
+STATE_CASES = [dict(carried=c, previous=p, nonfinite=n) for c, p, n in
+               [(False, False, False), (True, True, False), (True, False, True), (True, True, True)]]
+
+
+@needs_interp
+@pytest.mark.parametrize("case", STATE_CASES, ids=lambda c: "-".join(k for k, v in c.items() if v) or "plain")
+@pytest.mark.parametrize("bce_coeff", [0.0, 0.5])
+def test_triton_interp_statistics_and_handover_match_torch(case, bce_coeff):
+    check_state_equal(case, bce_coeff)
+
+
+def check_pooled_statistics(backend):
+    """Two calls of one layer: the table holds what plain torch computes from the masks, the adjacent
+    Jaccard pooled (sum of intersections over sum of unions), coverage and selected fraction per token."""
+    s, K, b = 48, 4, 2
+    gen = torch.Generator().manual_seed(3)
+    from megatron_xmod.xmod.routing_state import RoutingState
+
+    state = RoutingState()
+    bias_buffer, selected_buffer = state.bias_buffers((s, b), "cpu")
+    inter = union = covered = 0
+    nonfinite = 0
+    for call in range(2):
+        logits = torch.randn(s, b, generator=gen)
+        logits[call, 0] = float("nan") if call else float("inf")
+        nonfinite += 1
+        carried = (torch.rand(s, b, generator=gen) < 0.4).float()
+        previous = torch.rand(s, b, generator=gen) < 0.3
+        bias_buffer.copy_(carried)
+        selected_buffer.copy_(previous)
+        stats = state.step_statistics(2, "", (s, b), (s // K) * b, True, False, "cpu")
+        kw = {} if backend == "torch" else dict(backend=backend)
+        step = (routing_step_torch if backend == "torch" else routing_step)(
+            logits, K, "topk", bias_buffer, 0.5, 1.0, bias_out=bias_buffer, selected_out=selected_buffer,
+            previous_selected=selected_buffer, statistics=stats, **kw)
+        selected = step.decision.selected
+        assert selected.sum() == (s // K) * b
+        inter += (previous & selected).sum().item()
+        union += (previous | selected).sum().item()
+        covered += ((carried + selected.float()) > 0).sum().item()
+    got = {name: (value.item(), count) for (name, layer), (value, count) in state.items()}
+    assert got["adjacent_jaccard"] == (inter, union)
+    assert got["coverage"] == (covered, 2 * s * b)
+    assert got["selected_fraction"] == (2 * (s // K) * b, 2 * s * b)
+    assert got["nonfinite_router_logits"] == (nonfinite, 2)
+
+
+def test_torch_statistics_are_pooled():
+    check_pooled_statistics("torch")
+
+
+@needs_interp
+def test_triton_interp_statistics_are_pooled():
+    check_pooled_statistics("triton")
+
+
+def test_destinations_are_for_the_topk_rule():
+    logits, bias, _ = make_case(SHAPES[0])
+    with pytest.raises(ValueError, match="rule='threshold': selected_out, statistics and bce_coeff"):
+        routing_step(logits, 8, "threshold", bias, 0.5, bce_coeff=0.1)
+
+
 def test_triton_routing_interpreter():
     pytest.importorskip("triton")
     if INTERP:
@@ -199,11 +322,68 @@ def test_gpu_routing_step_is_cuda_graph_capturable():
         assert torch.equal(out.bias, ref.bias)
 
 
+@needs_gpu
+def test_gpu_routing_step_into_the_state_is_cuda_graph_capturable():
+    """Captured with the routing state's destinations (hand-over buffers, statistics table, router BCE)
+    and replayed twice on new logits: the buffers and the table are those of two eager torch-path calls
+    (not verified on a GPU when written: no device was available)."""
+    from megatron_xmod.xmod.routing_state import RoutingState
+
+    s, K, b = shape = (4096, 8, 4)
+    logits, bias, _ = make_case(shape, device="cuda")
+    previous = torch.rand(s, b, device="cuda") < 1 / K
+
+    def destinations(state):
+        bias_buffer, selected_buffer = state.bias_buffers((s, b), "cuda")
+        stats = state.step_statistics(3, "", (s, b), (s // K) * b, True, True, "cuda")
+        return bias_buffer, dict(bias_out=bias_buffer, selected_out=selected_buffer,
+                                 previous_selected=selected_buffer, statistics=stats, bce_coeff=0.1)
+
+    def reset(state):
+        state._stats.zero_()
+        bias_buffer, selected_buffer = state.bias_buffers((s, b), "cuda")
+        bias_buffer.copy_(bias)
+        selected_buffer.copy_(previous)
+
+    fused, ref = RoutingState(), RoutingState()
+    static_logits = logits.detach().clone()
+    carried, kw = destinations(fused)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        routing_step(static_logits, K, "topk", carried, 0.5, backend="triton", **kw)  # compile
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        routing_step(static_logits, K, "topk", carried, 0.5, backend="triton", **kw)
+    ref_carried, ref_kw = destinations(ref)
+    reset(fused)
+    reset(ref)
+    for seed in (1, 2):
+        new_logits = make_case(shape, seed=seed, device="cuda")[0].detach()
+        static_logits.copy_(new_logits)
+        graph.replay()
+        with torch.no_grad():
+            routing_step_torch(new_logits, K, "topk", ref_carried, 0.5, 1.0, **ref_kw)
+    torch.cuda.synchronize()
+    for got, want in zip(fused.bias_buffers((s, b), "cuda"), ref.bias_buffers((s, b), "cuda")):
+        assert torch.equal(got, want)
+    stats = kw["statistics"]
+    bce_at = stats.offsets[stats.offsets.numel() - stats.constants.numel() - 2:][:2]
+    exact = torch.ones_like(fused._stats, dtype=torch.bool)
+    exact[bce_at] = False
+    assert torch.equal(fused._stats[exact], ref._stats[exact])
+    torch.testing.assert_close(fused._stats[~exact], ref._stats[~exact], rtol=1e-5, atol=1e-7)
+
+
 @needs_interp
 def test_triton_interp_sparse_layer_trains_the_same(seeded, monkeypatch):
-    """A tiny X-MoD model through megatron: loss and every gradient agree between the fused routing
-    step and the torch path, and the fused one really ran in the sparse layers."""
+    """A tiny X-MoD model through megatron: loss, every gradient and the recorded routing statistics
+    agree between the fused routing step and the torch path, and the fused one really ran in the
+    sparse layers."""
     from helpers import tiny_model
+
+    from megatron_xmod.xmod.routing_state import report, take_microbatch_loss
 
     def loss_and_grads(backend):
         monkeypatch.setenv(kernels.ENV_BACKEND, backend)
@@ -212,13 +392,17 @@ def test_triton_interp_sparse_layer_trains_the_same(seeded, monkeypatch):
         tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
         loss = model(tokens, torch.arange(32).expand(2, 32), None, labels=tokens).float().mean()
         loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, take_microbatch_loss(model), report(model)
 
     before = kernels.launch_counts["triton"]
-    fused_loss, fused_grads = loss_and_grads("triton")
+    fused_loss, fused_grads, fused_router_loss, fused_stats = loss_and_grads("triton")
     assert kernels.launch_counts["triton"] == before + 2  # two sparse layers
-    torch_loss, torch_grads = loss_and_grads("torch")
+    torch_loss, torch_grads, torch_router_loss, torch_stats = loss_and_grads("torch")
     torch.testing.assert_close(fused_loss, torch_loss)
+    torch.testing.assert_close(fused_router_loss, torch_router_loss)
+    assert fused_stats.keys() == torch_stats.keys() and "adjacent_jaccard/layer_003" in fused_stats, fused_stats
+    assert fused_stats == pytest.approx(torch_stats, rel=1e-6), (fused_stats, torch_stats)
     assert fused_grads.keys() == torch_grads.keys() and any("router" in n for n in fused_grads)
     for name in torch_grads:
         torch.testing.assert_close(fused_grads[name], torch_grads[name], msg=name)

@@ -34,6 +34,7 @@ from megatron_xmod.xmod.routing import (
     gated_residual,
     jaccard_tensor,
     router_bce_loss,
+    topk_count,
 )
 from megatron_xmod.xmod.routing_state import RoutingState, flat_rows, recompute_phase, router_logits
 
@@ -104,15 +105,21 @@ class RouterLossAutoScaler(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, config, num_tokens: int) -> torch.Tensor:
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, config, num_tokens: int,
+                state: Optional[RoutingState] = None) -> torch.Tensor:
         ctx.save_for_backward(aux_loss)
-        ctx.config, ctx.num_tokens = config, num_tokens
+        ctx.config, ctx.num_tokens, ctx.state = config, num_tokens, state
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
+        """d aux_loss (any shape: the loss is the sum of its elements) = the scale."""
         (aux_loss,) = ctx.saved_tensors
         config = ctx.config
+        if config.grad_scale_func is None and ctx.state is not None:
+            # A known number: the routing state's cached device constant, expanded (a view), no launch.
+            value = ctx.num_tokens if config.calculate_per_token_loss else 1.0 / _num_microbatches()
+            return grad_output, ctx.state.constant(value, aux_loss.device).expand_as(aux_loss), None, None, None
         scale = torch.ones_like(aux_loss)
         if config.grad_scale_func is not None:
             scale = config.grad_scale_func(scale)
@@ -120,7 +127,7 @@ class RouterLossAutoScaler(torch.autograd.Function):
             scale = scale * ctx.num_tokens
         else:
             scale = scale / _num_microbatches()
-        return grad_output, scale, None, None
+        return grad_output, scale, None, None, None
 
 
 def _gather_positions(rotary_pos_emb, indices: torch.Tensor):
@@ -242,11 +249,13 @@ class XModSparseLayer(TransformerLayer):
         carried_bias, previous_selected = self._take_bias(state, (seq_len, batch), phase)
         rule = "topk" if self.training else state.eval_rule
         tau = routing.effective_tau(state.iteration)  # during a training run the warm-up's value, else the full tau
-        # The updated bias goes straight into the hand-over buffer (in place; a recompute replay keeps its own).
-        bias_out = None if phase == "replay" else state.bias_buffers((seq_len, batch), logits.device)[0]
         # Eq.(8) adjustment, top-k in position order, bias update: one fused kernel on GPU (megatron_xmod.xmod.kernels).
-        decision, bias, gate = routing_step(logits, routing.sparsity_k, rule, carried_bias, tau,
-                                            routing.token_choice_bias_increment, bias_out=bias_out)
+        # It writes into the routing state's buffers itself (a recompute replay writes none of them): the
+        # updated bias (in place) and, under top-k, the routed set and the call's statistics.
+        step = routing_step(logits, routing.sparsity_k, rule, carried_bias, tau, routing.token_choice_bias_increment,
+                            **self._step_destinations(state, rule, phase, (seq_len, batch), previous_selected,
+                                                      logits.device))
+        decision, bias, gate = step.decision, step.bias, step.gate
         state.observe(self.layer_number, logits, decision)
 
         indices = decision.topk_indices
@@ -263,21 +272,27 @@ class XModSparseLayer(TransformerLayer):
             output = hidden_states if indices is None else self._routed_update(
                 hidden_states, indices, decision.scores, rotary_pos_emb, valid, document_mask=attention_mask)
 
-        bce = None
         if self.training and routing.router_bce_coeff > 0:
-            bce = router_bce_loss(decision.scores, decision.selected)
-            output = RouterLossAutoScaler.apply(output, routing.router_bce_coeff * self._local_share(bce, decision),
-                                                self.config, seq_len * batch)
+            loss, bce = step.router_loss, None  # the routing step's (coeff * BCE; recorded already), if it has it
+            if loss is None:  # sequence parallel, or statistics paused: the BCE in torch ops
+                bce = router_bce_loss(decision.scores, decision.selected)
+                loss = routing.router_bce_coeff * self._local_share(bce, decision)
+                if phase != "replay":
+                    state.record_values(self.layer_number, ("router_bce_loss",), [bce], microbatch_loss=bce)
+            output = RouterLossAutoScaler.apply(output, loss, self.config, seq_len * batch, state)
         if phase != "replay":  # a recomputed layer was recorded in its first pass
-            self._record_metrics(state, logits, decision, bias, previous_selected, bce)
-            state.put_bias(self.layer_number, bias, decision.selected)  # bias is the buffer: copies the routed set
+            if decision.topk_indices is None:  # the threshold rule; top-k's routing step recorded itself
+                self._record_metrics(state, logits, decision, bias, previous_selected)
+            # bias is the buffer; the routing step wrote the top-k routed set into its buffer too
+            state.put_bias(self.layer_number, bias, None if decision.topk_indices is not None else decision.selected)
         # What megatron's TransformerLayer returns: a tensor that is no view (the autoscaler above hands
         # its input back as a view of it, the sequence-parallel path reshapes, a layer that routes nothing
         # returns its input, which may be one). Megatron's pipeline frees a stage's output with deallocate_output_tensor,
         # which refuses a view. Same storage, same values; the router-input chain is handed this object.
         output = make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
         if chain is not None:  # the next routed layer of the block rebuilds its router input from these rows
-            state.router_inputs.put(self.layer_number, chain, output, self._written_rows(indices, hidden_states.shape[0]))
+            flat = step.flat_rows if decision.topk_indices is not None else None  # the routing step's, under top-k
+            state.router_inputs.put(self.layer_number, chain, output, self._written_rows(indices, hidden_states.shape[0], flat))
         return output, context
 
     # --- megatron's CUDA graphs (--cuda-graph-impl local | transformer_engine) -----------------------
@@ -320,6 +335,27 @@ class XModSparseLayer(TransformerLayer):
             logits = gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=True, group=self.tp_group)
         return logits, chain
 
+    def _step_destinations(self, state: RoutingState, rule: str, phase, shape, previous_selected, device) -> dict:
+        """What the routing step writes into the routing state (routing_step's keyword arguments): the
+        bias hand-over always (but in a recompute replay); under top-k also the routed-set hand-over,
+        the call's statistics and, in training without sequence parallelism, the router BCE (its
+        per-sequence parts: sequence parallelism back-propagates each rank's share, _local_share)."""
+        if phase == "replay":  # recorded in the first pass; only the router loss is needed again
+            fold_bce = self.training and self.routing.router_bce_coeff > 0 and not self.config.sequence_parallel
+            return dict(bce_coeff=self.routing.router_bce_coeff if fold_bce else 0.0)
+        bias_out, selected_out = state.bias_buffers(shape, device)
+        if rule != "topk":
+            return dict(bias_out=bias_out)
+        # Paused statistics (state.recording False) record only the micro-batch loss: the layer does that.
+        fold_bce = (self.training and self.routing.router_bce_coeff > 0 and not self.config.sequence_parallel
+                    and state.recording)
+        routed = topk_count(shape[0], self.routing.sparsity_k) * shape[1]
+        statistics = state.step_statistics(self.layer_number, "" if self.training else "eval_", shape, routed,
+                                           previous_selected is not None, fold_bce, device)
+        return dict(bias_out=bias_out, selected_out=selected_out, statistics=statistics,
+                    previous_selected=previous_selected if statistics is not None else None,
+                    bce_coeff=self.routing.router_bce_coeff if fold_bce else 0.0)
+
     def _take_bias(self, state: RoutingState, shape, phase):
         """The carried token-choice bias and routed set of the previous sparse layer of the block (the
         routing state's hand-over buffers; (None, None) for the block's first sparse layer); under full
@@ -343,9 +379,11 @@ class XModSparseLayer(TransformerLayer):
         start = self.tp_group.rank() * local_len if self.config.sequence_parallel else 0
         return slice(start, start + local_len)
 
-    def _written_rows(self, indices: Optional[torch.Tensor], local_len: int) -> torch.Tensor:
+    def _written_rows(self, indices: Optional[torch.Tensor], local_len: int,
+                      flat: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Flat rows ([s*b, h] view) of this rank's slice that the layer may have changed, from the
-        positions ``indices`` [k, b] of the batch it ran (None: it ran none).
+        positions ``indices`` [k, b] of the batch it ran (None: it ran none); ``flat``: those rows as the
+        routing step wrote them (top-k), used as they are without sequence parallelism.
 
         A static [k*b] index, no host sync. The chain (routing_state.RouterInputChain) reads every
         listed row from this layer's output and copies it back into the rebuilt input, so a row listed
@@ -353,6 +391,8 @@ class XModSparseLayer(TransformerLayer):
         value: exact. Under sequence parallelism the routed positions that another rank holds point at
         row 0 of their sequence instead; the cost is min(k, s/T)*b rows per layer on every rank instead
         of this rank's share (when k >= s/T, all of its rows)."""
+        if flat is not None and not self.config.sequence_parallel:
+            return flat
         if indices is None:
             return torch.empty(0, dtype=torch.long, device=self.router.weight.device)
         if self.config.sequence_parallel and indices.shape[0] >= local_len:
@@ -444,31 +484,21 @@ class XModSparseLayer(TransformerLayer):
             output = output + bias
         return F.dropout(output, p=self.hidden_dropout, training=self.training)
 
-    def _record_metrics(self, state: RoutingState, logits, decision, bias, previous_selected, bce) -> None:
-        """All routing statistics of this call in one write to the routing state's table (one stack, one
-        ``index_add_``), no host sync: the non-finite router-logit count, selected fraction, coverage,
-        adjacent-layer Jaccard, router BCE, and the BCE as the micro-batch's router loss. What is known
-        statically costs no op: top-k selects exactly k = L/K tokens of each sequence, and the fractions'
-        denominators (the number of tokens) are cached constants."""
+    def _record_metrics(self, state: RoutingState, logits, decision, bias, previous_selected) -> None:
+        """The routing statistics of a threshold-rule call (evaluation; the top-k routing step records its
+        own) in one write to the routing state's table (one stack, one ``index_add_``), no host sync: the
+        non-finite router-logit count, selected fraction, coverage and adjacent-layer Jaccard (per call:
+        the mean of the calls' |a & b| / |a | b|, 1 when both are empty)."""
         prefix = "" if self.training else "eval_"  # eval_*: the deployable (threshold) rule at validation
-        selected, device, tokens = decision.selected, logits.device, bias.numel()
+        selected, device = decision.selected, logits.device
         names, values = state.nonfinite_values(logits)
         names += (prefix + "selected_fraction", prefix + "coverage")
-        topk, total = decision.topk_indices, state.constant(tokens, device)
+        total = state.constant(bias.numel(), device)
         # Fractions as (tokens, total) pairs: the table divides when it is read (the mean over tokens).
-        # exactly k of each sequence's L tokens under top-k
-        values.append(state.constant(topk.numel(), device) if topk is not None else selected.sum())
-        values.append(torch.count_nonzero(bias))  # b >= 0: the covered tokens are those with b > 0
+        values += [selected.sum(), torch.count_nonzero(bias)]  # b >= 0: the covered tokens are those with b > 0
         counts = [None, None, total, total]
         if previous_selected is not None:
             names += (prefix + "adjacent_jaccard",)
+            values.append(jaccard_tensor(previous_selected, selected))
             counts.append(None)
-            if topk is not None:  # the union holds this layer's k >= 1 tokens a sequence: never empty
-                values.append((previous_selected & selected).sum() / (previous_selected | selected).sum())
-            else:
-                values.append(jaccard_tensor(previous_selected, selected))
-        if bce is not None:
-            names += ("router_bce_loss",)
-            values.append(bce)
-            counts.append(None)
-        state.record_values(self.layer_number, names, values, microbatch_loss=bce, counts=counts)
+        state.record_values(self.layer_number, names, values, counts=counts)

@@ -48,10 +48,11 @@ micro-batches in megatron's schedules).
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,23 @@ NONFINITE = "nonfinite_router_logits"
 # number of logits (a constant), and the non-finite count is their difference when read (one op less
 # per layer than counting the non-finite ones on the device).
 _FINITE, _LOGITS = "_finite_router_logits", "_router_logits"
+
+
+class StepStatistics(NamedTuple):
+    """Where a top-k routing step adds the statistics of one call (:meth:`RoutingState.step_statistics`).
+
+    ``offsets`` [n + m] int64 are flat positions in ``table``: first the n counted values, in the order
+    finite router logits, covered tokens (b > 0), then with a previous routed set |previous & selected|
+    and |previous | selected| (the pooled Jaccard's sum and count), then with the router BCE the BCE
+    twice (its metric and the micro-batch loss); then the m entries that get the ``constants`` [m]
+    float32 (what the call adds that is known statically: counts of calls, numbers of logits and of
+    routed tokens). Both tensors are created once per layer and shape (a captured graph holds them)."""
+
+    table: torch.Tensor  # the state's flat float32 statistics buffer
+    offsets: torch.Tensor
+    constants: torch.Tensor
+    has_previous: bool
+    has_bce: bool
 
 
 class RoutingState:
@@ -77,8 +95,10 @@ class RoutingState:
       layer of the block reads them (:meth:`take_bias`);
     - the interval statistics: one float32 table [layers, 2, metrics] (sums, then counts) to which a
       recorder adds all its values of one call with one ``torch.stack`` and one ``index_add_``
-      (:meth:`record_values`); the table's last two entries accumulate the micro-batch's router
-      losses (sum, count), taken by :func:`take_microbatch_loss`.
+      (:meth:`record_values`), or the top-k routing step of a sparse layer adds them itself, by atomic
+      adds in the fused kernel (:meth:`step_statistics`); the table's last two entries accumulate the
+      micro-batch's router losses (sum, count), taken by :func:`take_microbatch_loss`. Under top-k
+      the adjacent Jaccard is pooled: its sum is the intersections, its count the unions.
 
     Layers and metrics are registered by :func:`attach_routing_state` (or by a recorder's first
     forward: the table then grows, before any capture).
@@ -184,6 +204,47 @@ class RoutingState:
             index = self._indices[key] = torch.tensor(flat, dtype=torch.long, device=device)
         return index
 
+    def _offset(self, layer_number: int, name: str, count: bool = False) -> int:
+        metrics = len(self._names)
+        return (self._row[layer_number] * 2 + int(count)) * metrics + self._column[name]
+
+    def step_statistics(self, layer_number: int, prefix: str, shape: tuple[int, int], routed: int,
+                        has_previous: bool, has_bce: bool, device) -> Optional[StepStatistics]:
+        """Where the top-k routing step of layer ``layer_number`` ([s, b] = ``shape`` logits, ``routed``
+        = k*b tokens routed) adds its call's statistics (names with ``prefix``, "" or "eval_"):
+        the non-finite router-logit count, selected fraction, coverage, the pooled adjacent Jaccard
+        (with ``has_previous``) and the router BCE as metric and micro-batch loss (``has_bce``). None
+        while the statistics are paused."""
+        if not self.recording:
+            return None
+        key = ("step", layer_number, prefix, tuple(shape), routed, has_previous, has_bce, str(device))
+        cached = self._indices.get(key)
+        if cached is None:
+            names = [NONFINITE, prefix + "selected_fraction", prefix + "coverage"]
+            names += [prefix + "adjacent_jaccard"] if has_previous else []
+            names += ["router_bce_loss"] if has_bce else []
+            self.register(layer_number, names)  # may grow the table and clear the caches: before anything is cached
+            self._allocate(device)
+            if has_bce:
+                self._loss_layers.add(layer_number)
+            at = functools.partial(self._offset, layer_number)
+            loss_sum, loss_count = self._stats.numel() - 2, self._stats.numel() - 1
+            counted = [at(_FINITE), at(prefix + "coverage")]
+            if has_previous:
+                counted += [at(prefix + "adjacent_jaccard"), at(prefix + "adjacent_jaccard", True)]
+            if has_bce:
+                counted += [at("router_bce_loss"), loss_sum]
+            tokens = float(shape[0] * shape[1])
+            constant = [(at(_FINITE, True), 1.0), (at(_LOGITS), tokens), (at(_LOGITS, True), 1.0),
+                        (at(prefix + "selected_fraction"), float(routed)),
+                        (at(prefix + "selected_fraction", True), tokens), (at(prefix + "coverage", True), tokens)]
+            if has_bce:
+                constant += [(at("router_bce_loss", True), 1.0), (loss_count, 1.0)]
+            offsets = torch.tensor(counted + [o for o, _ in constant], dtype=torch.long, device=device)
+            values = torch.tensor([v for _, v in constant], dtype=torch.float32, device=device)
+            cached = self._indices[key] = (offsets, values)
+        return StepStatistics(self._stats, cached[0], cached[1], has_previous, has_bce)
+
     # --- token-choice bias hand-over ---------------------------------------------------------------
     def bias_buffers(self, shape: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
         """The hand-over buffers (bias float32, routed set bool) for ``shape`` [s, b], created once per
@@ -210,14 +271,15 @@ class RoutingState:
                 return buffers
         return None, None
 
-    def put_bias(self, layer_number: int, bias: torch.Tensor, selected: torch.Tensor) -> None:
+    def put_bias(self, layer_number: int, bias: torch.Tensor, selected: Optional[torch.Tensor]) -> None:
         """Layer ``layer_number`` hands (b, routed set) to the next one: copied in place into the
-        buffers (nothing is copied for a tensor that is the buffer already)."""
+        buffers (nothing is copied for a tensor that is the buffer already, nor for ``selected`` None:
+        the routing step wrote the routed set into its buffer itself)."""
         self._bias_sources.add(layer_number)
         bias_buffer, selected_buffer = self.bias_buffers(tuple(bias.shape), bias.device)
         if bias is not bias_buffer:
             bias_buffer.copy_(bias)
-        if selected is not selected_buffer:
+        if selected is not None and selected is not selected_buffer:
             selected_buffer.copy_(selected)
 
     # --- threshold-rule evaluation at a static width ------------------------------------------------

@@ -10,6 +10,12 @@ tokens, from the router logits the layer computed.
   tested against the torch path. It has no host synchronisation and only static shapes
   (k = L/K), so it can be captured in a CUDA graph.
 
+Both write the same destinations (the routing state's buffers, in place): the updated bias, the
+routed set, the call's routing statistics and the router BCE (Eq.9). So a sparse layer under top-k
+issues no op for them; the two backends leave identical tables (integer counts in fp32), but for the
+BCE, a float sum in another order (on a GPU the per-sequence atomic adds make its last bits vary from
+run to run).
+
 Selection, highest priority first: the ``backend=`` argument, the ``XMOD_ROUTING_BACKEND``
 environment variable (``auto|triton|torch``), then ``auto``: triton for CUDA tensors when Triton
 imports, torch otherwise. Triton on CPU tensors needs ``TRITON_INTERPRET=1`` (tests) and is only
@@ -35,7 +41,14 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from megatron_xmod.xmod.permute.dispatch import LazyTriton
-from megatron_xmod.xmod.routing import RoutingDecision, route, topk_count, update_token_choice_bias
+from megatron_xmod.xmod.routing import (
+    RoutingDecision,
+    route,
+    router_bce_loss,
+    topk_count,
+    update_token_choice_bias,
+)
+from megatron_xmod.xmod.routing_state import flat_rows
 
 logger = logging.getLogger("megatron_xmod.xmod.kernels")
 
@@ -49,58 +62,120 @@ class RoutingStep(NamedTuple):
     decision: RoutingDecision  # selected [s, b] bool, scores [s, b] fp32 (differentiable), topk_indices [k, b]
     bias: torch.Tensor  # [s, b] fp32 token-choice bias after this layer (b + increment * selected)
     gate: Optional[torch.Tensor]  # [k, b] fp32 sigmoid(score) of the top-k tokens (differentiable); None for threshold
+    flat_rows: Optional[torch.Tensor] = None  # [k*b] int64 topk_indices * b + column (routing_state.flat_rows)
+    router_loss: Optional[torch.Tensor] = None  # coeff * router BCE (Eq.9), summed over its elements; differentiable
+
+
+def _check_destinations(rule, selected_out, previous_selected, statistics, bce_coeff):
+    if rule != "topk" and (selected_out is not None or statistics is not None or bce_coeff):
+        raise ValueError(f"rule={rule!r}: selected_out, statistics and bce_coeff are for the top-k rule only; "
+                         "the threshold rule's layer records its statistics itself")
+    if statistics is not None and statistics.has_previous != (previous_selected is not None):
+        raise ValueError("statistics: made for a call with" + ("" if statistics.has_previous else "out")
+                         + " a previous routed set; pass previous_selected accordingly")
+    if statistics is not None and statistics.has_bce != bool(bce_coeff):
+        raise ValueError("statistics: made for a call with" + ("" if statistics.has_bce else "out")
+                         + " the router BCE; pass bce_coeff > 0 accordingly")
 
 
 def routing_step_torch(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias: Optional[torch.Tensor],
-                       tau: float, increment: float, bias_out: Optional[torch.Tensor] = None) -> RoutingStep:
-    """The reference: the rules of :mod:`megatron_xmod.xmod.routing`, op by op."""
+                       tau: float, increment: float, bias_out: Optional[torch.Tensor] = None, *,
+                       selected_out: Optional[torch.Tensor] = None, previous_selected: Optional[torch.Tensor] = None,
+                       statistics=None, bce_coeff: float = 0.0) -> RoutingStep:
+    """The reference: the rules of :mod:`megatron_xmod.xmod.routing`, op by op; writes what
+    :func:`routing_step` writes, in the same order (the statistics read the previous routed set before
+    ``selected_out``, which may be the same buffer, receives this layer's)."""
+    _check_destinations(rule, selected_out, previous_selected, statistics, bce_coeff)
     decision = route(logits, sparsity_k, rule, carried_bias, tau)
     bias = update_token_choice_bias(carried_bias, decision.selected, increment, out=bias_out)
-    gate = None
+    gate = rows = loss = None
     if decision.topk_indices is not None:
         gate = torch.sigmoid(torch.gather(decision.scores, 0, decision.topk_indices))
-    return RoutingStep(decision, bias, gate)
+        rows = flat_rows(decision.topk_indices, logits.shape[1])
+    bce = router_bce_loss(decision.scores, decision.selected) if bce_coeff else None
+    if bce is not None:
+        loss = bce_coeff * bce
+    if statistics is not None:  # the values routing_state.StepStatistics lists, in its order
+        selected = decision.selected
+        values = [torch.isfinite(logits).sum(), torch.count_nonzero(bias)]
+        if previous_selected is not None:
+            values += [(previous_selected & selected).sum(), (previous_selected | selected).sum()]
+        values += [bce.detach()] * 2 if bce is not None else []
+        # int64 counts (and the float BCE) promote to float32 in the stack or the cat: exact below 2^24
+        statistics.table.index_add_(0, statistics.offsets, torch.cat([torch.stack(values), statistics.constants]))
+    if selected_out is not None:
+        selected_out.copy_(decision.selected)
+    return RoutingStep(decision, bias, gate, rows, loss)
 
 
 def routing_step(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias: Optional[torch.Tensor] = None,
                  tau: float = 0.0, increment: float = 1.0, *, backend: Optional[str] = None,
-                 bias_out: Optional[torch.Tensor] = None) -> RoutingStep:
+                 bias_out: Optional[torch.Tensor] = None, selected_out: Optional[torch.Tensor] = None,
+                 previous_selected: Optional[torch.Tensor] = None, statistics=None,
+                 bce_coeff: float = 0.0) -> RoutingStep:
     """Route one sparse layer from its router logits [s, b] (fp32); see the module docstring.
-    ``bias_out``: a float32 [s, b] buffer that receives the updated bias (the routing state's hand-over
-    buffer, which may also be ``carried_bias``); the returned bias is then that buffer."""
+
+    Destinations, written in place (the routing state's buffers: megatron_xmod.xmod.routing_state):
+
+    - ``bias_out``: float32 [s, b] that receives the updated bias (the hand-over buffer, which may also
+      be ``carried_bias``); the returned bias is then that buffer;
+    - ``selected_out`` (top-k): bool [s, b] that receives the routed set (the hand-over buffer);
+    - ``statistics`` (top-k): a ``StepStatistics`` of the routing state, whose table gets this call's
+      statistics; ``previous_selected``: the routed set of the layer before (for the adjacent Jaccard;
+      it may be ``selected_out``, read before it is overwritten);
+    - ``bce_coeff`` > 0 (top-k): also compute the router BCE (Eq.9): ``router_loss`` is coeff * BCE once
+      summed (to back-propagate), the statistics get the BCE itself.
+    """
+    _check_destinations(rule, selected_out, previous_selected, statistics, bce_coeff)
     name = "torch" if rule != "topk" else _select(backend, logits)
     launch_counts[name] += 1
     if name == "torch":
-        return routing_step_torch(logits, sparsity_k, rule, carried_bias, tau, increment, bias_out)
+        return routing_step_torch(logits, sparsity_k, rule, carried_bias, tau, increment, bias_out,
+                                  selected_out=selected_out, previous_selected=previous_selected,
+                                  statistics=statistics, bce_coeff=bce_coeff)
     k = topk_count(logits.shape[0], sparsity_k)
     carried = None if carried_bias is None else carried_bias.detach().float().contiguous()
     logits32 = logits if logits.dtype == torch.float32 else logits.float()
-    indices, selected, scores, gate, bias, _ = _FusedRoutingStep.apply(
-        logits32.contiguous(), carried, float(tau), k, float(increment), _triton.module())
-    if bias_out is not None:
-        bias = bias_out.copy_(bias)
-    return RoutingStep(RoutingDecision(selected, scores, indices), bias, gate)
+    ops = _triton.module()
+    bias = bias_out if bias_out is not None else torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    dest = ops.Destinations(bias, _int8(selected_out, "selected_out"), _int8(previous_selected, "previous_selected"),
+                            statistics)
+    indices, selected, scores, gate, _, rows, loss = _FusedRoutingStep.apply(
+        logits32.contiguous(), carried, float(tau), k, float(increment), float(bce_coeff), dest, ops)
+    return RoutingStep(RoutingDecision(selected, scores, indices), bias, gate, rows, loss)
+
+
+def _int8(mask: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool or not mask.is_contiguous():
+        raise ValueError(f"{name}: the fused routing step writes a contiguous bool [s, b] buffer, got "
+                         f"{mask.dtype} (contiguous: {mask.is_contiguous()}); pass the routing state's buffer")
+    return mask.view(torch.int8)
 
 
 class _FusedRoutingStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, carried, tau, k, increment, ops):
-        indices, selected, scores, gate, bias, slot = ops.forward(logits, carried, tau, k, increment)
-        ctx.ops = ops
-        ctx.save_for_backward(gate, slot)
-        ctx.mark_non_differentiable(indices, selected, bias, slot)
+    def forward(ctx, logits, carried, tau, k, increment, bce_coeff, dest, ops):
+        indices, selected, scores, gate, slot, rows, loss = ops.forward(logits, carried, tau, k, increment,
+                                                                       bce_coeff, dest)
+        ctx.ops, ctx.bce_coeff = ops, bce_coeff
+        ctx.save_for_backward(gate, slot, scores if loss is not None else None)
+        ctx.mark_non_differentiable(indices, selected, slot, rows)
         ctx.set_materialize_grads(False)  # no zero tensors for the outputs nobody differentiates
-        return indices, selected, scores, gate, bias, slot
+        return indices, selected, scores, gate, slot, rows, loss
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, _gi, _gs, dscores, dgate, _gb, _gslot):
-        if dgate is None:  # d score / d logit is the identity: nothing to launch
-            return dscores, None, None, None, None, None
-        gate, slot = ctx.saved_tensors
+    def backward(ctx, _gi, _gs, dscores, dgate, _gslot, _grows, dloss):
+        nothing = (None,) * 7
+        if dgate is None and dloss is None:  # d score / d logit is the identity: nothing to launch
+            return (dscores,) + nothing
+        gate, slot, scores = ctx.saved_tensors
         dlogits = ctx.ops.backward(None if dscores is None else dscores.float().contiguous(),
-                                   dgate.float().contiguous(), gate, slot)
-        return dlogits, None, None, None, None, None
+                                   None if dgate is None else dgate.float().contiguous(), gate, slot,
+                                   scores, None if dloss is None else dloss.float(), ctx.bce_coeff)
+        return (dlogits,) + nothing
 
 
 _triton = LazyTriton("megatron_xmod.xmod.kernels.triton_routing")

@@ -4,16 +4,22 @@
 Imported lazily by the dispatcher: ``TRITON_INTERPRET=1`` is read when the ``@triton.jit`` kernels
 below are defined, so the CPU interpreter only works if it is set before this import.
 
-One launch forward, one backward, instead of the torch path's ~12 ops forward and ~6 backward:
+One launch forward, one backward, instead of the torch path's ops (top-k, sort, mask, bias update,
+gate, statistics, router BCE, and their backward):
 
 - ``_select_kernel`` (one program per sequence): the bias-adjusted score s - tau*b (Eq.8), the
   exact top-k of the scores by a radix search on their order-preserving integer keys (8 passes of
   4 bits; no sort: ties at the k-th value go to the earliest positions), then one pass in position order
-  that writes the scores, the sorted indices, the selected mask, the updated bias
-  b + increment*selected, the gate r = sigmoid(score) of every routed token and each token's slot
-  j in the routed list (-1 if not routed; the backward reads it);
+  that writes the scores, the sorted indices and their flat rows t*b + c, the selected mask, the
+  updated bias b + increment*selected (into the routing state's hand-over buffer, possibly the
+  carried bias itself), the gate r = sigmoid(score) of every routed token, each token's slot j in
+  the routed list (-1 if not routed; the backward reads it) and, when asked, the routed set into the
+  hand-over buffer and the router BCE (Eq.9) per sequence. The sequence's statistics (finite logits,
+  covered tokens, |previous & selected| and |previous | selected|, the BCE) go into the routing
+  state's table by atomic adds at offsets the state keeps (routing_state.StepStatistics); program 0
+  also adds the call's constants. Nothing is left for torch ops to record;
 - ``_scores_backward_kernel`` (grid: token blocks x sequences): d logit = d score + [routed]
-  d r * r(1-r).
+  d r * r(1-r) + d loss * coeff (sigmoid(score) - q) / (s b).
 
 The router logits themselves come from the layer (megatron_xmod.xmod.routing_state.router_logits keeps one
 saved router input per block), so this kernel saves nothing of size [s, b, h].
@@ -42,8 +48,11 @@ def _order_key(v):
 
 
 @triton.jit
-def _select_kernel(logits_ptr, carry_ptr, scores_ptr, idx_ptr, gate_ptr, mask_ptr, bias_ptr, slot_ptr,
-                   s, b, k, tau, increment, HAS_CARRY: tl.constexpr, BLOCK: tl.constexpr):
+def _select_kernel(logits_ptr, carry_ptr, prev_ptr, scores_ptr, idx_ptr, flat_ptr, gate_ptr, mask_ptr, mask_out_ptr,
+                   bias_ptr, slot_ptr, loss_ptr, stats_ptr, offsets_ptr, constants_ptr, n_counted, n_constants,
+                   s, b, k, tau, increment, inv_tokens, bce_coeff, HAS_CARRY: tl.constexpr, HAS_PREV: tl.constexpr,
+                   HAS_MASK_OUT: tl.constexpr, HAS_BCE: tl.constexpr, HAS_STATS: tl.constexpr,
+                   BLOCK: tl.constexpr, CONST_BLOCK: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     # The k-th largest key T: the largest T with #{key >= T} >= k, built 4 bits a pass (8 passes):
     # each pass counts the keys above 16 candidate digits at once and keeps the largest that
@@ -69,73 +78,152 @@ def _select_kernel(logits_ptr, carry_ptr, scores_ptr, idx_ptr, gate_ptr, mask_pt
     ties_wanted = k - above
     ties_seen = tl.zeros([], dtype=tl.int64)
     placed = tl.zeros([], dtype=tl.int64)
+    # This sequence's share of the call's statistics (integer counts: exact in the fp32 table).
+    finite = tl.zeros([], dtype=tl.int64)
+    covered = tl.zeros([], dtype=tl.int64)
+    inter = tl.zeros([], dtype=tl.int64)
+    union = tl.zeros([], dtype=tl.int64)
+    bce = tl.zeros([], dtype=tl.float32)
+    # The last pass writes every output in position order. Each chunk reads its rows of the carried bias
+    # and of the previous routed set before it writes them: the hand-over buffers may be both input and
+    # output (in place), and no other program touches this sequence's rows.
     for s0 in range(0, s, BLOCK):
         t = s0 + tl.arange(0, BLOCK).to(tl.int64)
         tm = t < s
         row = t * b + c
-        score = _score(logits_ptr, carry_ptr, row, tm, tau, HAS_CARRY)
+        logit = tl.load(logits_ptr + row, mask=tm, other=0.0)
+        score = logit
+        carried = tl.zeros([BLOCK], dtype=tl.float32)
+        if HAS_CARRY:
+            carried = tl.load(carry_ptr + row, mask=tm, other=0.0)
+            score = logit - tau * carried
         key = _order_key(score)
         tie = (tm & (key == thresh)).to(tl.int64)
         tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
         sel = tm & ((key > thresh) | ((tie > 0) & (tie_rank < ties_wanted)))
         sel_i = sel.to(tl.int64)
         slot = placed + tl.cumsum(sel_i, axis=0) - sel_i
+        new_bias = carried + sel.to(tl.float32) * increment
+        if HAS_STATS:
+            exponent = logit.to(tl.int32, bitcast=True) & 0x7F800000  # all ones: inf or NaN
+            finite += tl.sum((tm & (exponent != 0x7F800000)).to(tl.int64), axis=0)
+            covered += tl.sum((tm & (new_bias > 0)).to(tl.int64), axis=0)
+            if HAS_PREV:
+                prev = tm & (tl.load(prev_ptr + row, mask=tm, other=0) != 0)
+                inter += tl.sum((prev & sel).to(tl.int64), axis=0)
+                union += tl.sum((prev | sel).to(tl.int64), axis=0)
+        if HAS_BCE:  # Eq.(9) with logits: max(x, 0) - x q + log(1 + exp(-|x|)), q the top-k choice
+            q = sel.to(tl.float32)
+            term = tl.maximum(score, 0.0) - score * q + tl.log(1.0 + tl.exp(-tl.abs(score)))
+            bce += tl.sum(tl.where(tm, term, 0.0), axis=0)
         tl.store(scores_ptr + row, score, mask=tm)
         tl.store(idx_ptr + slot * b + c, t, mask=sel)
+        tl.store(flat_ptr + slot * b + c, row, mask=sel)
         tl.store(gate_ptr + slot * b + c, tl.sigmoid(score), mask=sel)
         tl.store(slot_ptr + row, tl.where(sel, slot, -1).to(tl.int32), mask=tm)
         tl.store(mask_ptr + row, sel.to(tl.int8), mask=tm)
-        new_bias = sel.to(tl.float32) * increment
-        if HAS_CARRY:
-            new_bias += tl.load(carry_ptr + row, mask=tm, other=0.0)
+        if HAS_MASK_OUT:
+            tl.store(mask_out_ptr + row, sel.to(tl.int8), mask=tm)
         tl.store(bias_ptr + row, new_bias, mask=tm)
         ties_seen += tl.sum(tie, axis=0)
         placed += tl.sum(sel_i, axis=0)
+    if HAS_BCE:  # this sequence's part of coeff * mean BCE: the parts sum to the router loss
+        tl.store(loss_ptr + c, bce_coeff * (bce * inv_tokens))
+    if HAS_STATS:
+        # Into the routing state's table (offsets: routing_state.StepStatistics), one atomic add per value.
+        tl.atomic_add(stats_ptr + tl.load(offsets_ptr), finite.to(tl.float32))
+        tl.atomic_add(stats_ptr + tl.load(offsets_ptr + 1), covered.to(tl.float32))
+        if HAS_PREV:
+            tl.atomic_add(stats_ptr + tl.load(offsets_ptr + 2), inter.to(tl.float32))
+            tl.atomic_add(stats_ptr + tl.load(offsets_ptr + 3), union.to(tl.float32))
+        if HAS_BCE:
+            at = offsets_ptr + n_counted - 2  # the BCE's metric, then the micro-batch loss
+            tl.atomic_add(stats_ptr + tl.load(at), bce * inv_tokens)
+            tl.atomic_add(stats_ptr + tl.load(at + 1), bce * inv_tokens)
+        if c == 0:  # the call's constants, once
+            j = tl.arange(0, CONST_BLOCK)
+            jm = j < n_constants
+            at = tl.load(offsets_ptr + n_counted + j, mask=jm, other=0)
+            tl.atomic_add(stats_ptr + at, tl.load(constants_ptr + j, mask=jm, other=0.0), mask=jm)
 
 
 @triton.jit
-def _scores_backward_kernel(dscores_ptr, dgate_ptr, gate_ptr, slot_ptr, dlogits_ptr, n, b,
-                            HAS_DSCORES: tl.constexpr, HAS_DGATE: tl.constexpr, BLOCK_S: tl.constexpr):
+def _scores_backward_kernel(dscores_ptr, dgate_ptr, gate_ptr, slot_ptr, scores_ptr, dloss_ptr, dloss_stride,
+                            dlogits_ptr, n, b, bce_scale, HAS_DSCORES: tl.constexpr, HAS_DGATE: tl.constexpr,
+                            HAS_DLOSS: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)  # t*b + c
     tm = row < n
     dlogit = tl.zeros([BLOCK_S], dtype=tl.float32)
     if HAS_DSCORES:
         dlogit += tl.load(dscores_ptr + row, mask=tm, other=0.0)
+    slot = tl.load(slot_ptr + row, mask=tm, other=-1).to(tl.int64)
+    routed = tm & (slot >= 0)
     if HAS_DGATE:
-        slot = tl.load(slot_ptr + row, mask=tm, other=-1).to(tl.int64)
-        routed = tm & (slot >= 0)
         gslot = tl.where(routed, slot, 0) * b + row % b
         r = tl.load(gate_ptr + gslot, mask=routed, other=0.0)
         dlogit += tl.load(dgate_ptr + gslot, mask=routed, other=0.0) * r * (1.0 - r)
+    if HAS_DLOSS:  # d (coeff * mean BCE) / d score = coeff (sigmoid(score) - q) / (s b), times the sequence's d loss
+        p = tl.sigmoid(tl.load(scores_ptr + row, mask=tm, other=0.0))
+        d = tl.load(dloss_ptr + (row % b) * dloss_stride, mask=tm, other=0.0)
+        dlogit += d * bce_scale * (p - routed.to(tl.float32))
     tl.store(dlogits_ptr + row, dlogit, mask=tm)
 
 
-def forward(logits, carried, tau: float, k: int, increment: float):
-    """logits [s,b] fp32 contiguous, carried [s,b] fp32 or None -> (indices [k,b] int64,
-    selected [s,b] bool, scores [s,b] fp32, gate [k,b] fp32, bias [s,b] fp32, slot [s,b] int32)."""
+class Destinations:
+    """Buffers the forward writes besides its own outputs (the routing state's, written in place):
+    ``bias`` [s, b] fp32 (always; it may be the carried bias itself), ``selected`` [s, b] int8 view of the
+    hand-over routed set or None, ``previous`` [s, b] int8 view of the previous layer's routed set (it
+    may be ``selected``) or None, ``statistics`` a routing_state.StepStatistics or None. A plain object,
+    not a tuple, so that autograd does not take its tensors for inputs."""
+
+    def __init__(self, bias, selected=None, previous=None, statistics=None):
+        self.bias, self.selected, self.previous, self.statistics = bias, selected, previous, statistics
+
+
+def forward(logits, carried, tau: float, k: int, increment: float, bce_coeff: float, dest: Destinations):
+    """logits [s,b] fp32 contiguous, carried [s,b] fp32 or None -> (indices [k,b] int64, selected [s,b]
+    bool, scores [s,b] fp32, gate [k,b] fp32, slot [s,b] int32, flat rows [k*b] int64 (indices*b + column),
+    router loss parts [b] fp32 (coeff * mean BCE summed over them) or None without ``bce_coeff``); the
+    updated bias goes to ``dest.bias``."""
     s, b = logits.shape
     dev = logits.device
     scores = torch.empty((s, b), dtype=torch.float32, device=dev)
     indices = torch.empty((k, b), dtype=torch.int64, device=dev)
+    flat = torch.empty((k * b,), dtype=torch.int64, device=dev)
     gate = torch.empty((k, b), dtype=torch.float32, device=dev)
     selected = torch.empty((s, b), dtype=torch.int8, device=dev)
-    bias = torch.empty((s, b), dtype=torch.float32, device=dev)
     slot = torch.empty((s, b), dtype=torch.int32, device=dev)
+    loss = torch.empty((b,), dtype=torch.float32, device=dev) if bce_coeff else None
+    stats = dest.statistics
+    n_constants = 0 if stats is None else stats.constants.numel()
     if s * b:
         with torch.profiler.record_function("triton::routing_select"):  # bench/ops.py counts launches
-            _select_kernel[(b,)](logits, carried if carried is not None else logits, scores, indices, gate, selected,
-                                 bias, slot, s, b, k, float(tau), float(increment), HAS_CARRY=carried is not None,
-                                 BLOCK=min(_SELECT_BLOCK, triton.next_power_of_2(s)), num_warps=8)
-    return indices, selected.view(torch.bool), scores, gate, bias, slot
+            _select_kernel[(b,)](
+                logits, carried if carried is not None else logits,
+                dest.previous if dest.previous is not None else selected, scores, indices, flat, gate, selected,
+                dest.selected if dest.selected is not None else selected, dest.bias, slot,
+                loss if loss is not None else scores, stats.table if stats is not None else scores,
+                stats.offsets if stats is not None else indices, stats.constants if stats is not None else scores,
+                0 if stats is None else stats.offsets.numel() - n_constants, n_constants,
+                s, b, k, float(tau), float(increment), 1.0 / (s * b), float(bce_coeff),
+                HAS_CARRY=carried is not None, HAS_PREV=dest.previous is not None,
+                HAS_MASK_OUT=dest.selected is not None, HAS_BCE=loss is not None, HAS_STATS=stats is not None,
+                BLOCK=min(_SELECT_BLOCK, triton.next_power_of_2(s)),
+                CONST_BLOCK=triton.next_power_of_2(max(n_constants, 1)), num_warps=8)
+    return indices, selected.view(torch.bool), scores, gate, slot, flat, loss
 
 
-def backward(dscores, dgate, gate, slot):
-    """d logits [s,b] fp32 from d scores [s,b] and d gate [k,b] (either may be None)."""
+def backward(dscores, dgate, gate, slot, scores=None, dloss=None, bce_coeff: float = 0.0):
+    """d logits [s,b] fp32 from d scores [s,b], d gate [k,b] and d router-loss parts [b] (any may be
+    None; ``dloss`` may be an expanded view: it is read with its stride)."""
     s, b = slot.shape
     dlogits = torch.empty((s, b), dtype=torch.float32, device=slot.device)
     if s * b:
         with torch.profiler.record_function("triton::routing_backward"):
             _scores_backward_kernel[(triton.cdiv(s * b, _BLOCK_S),)](
                 dscores if dscores is not None else dlogits, dgate if dgate is not None else gate, gate, slot,
-                dlogits, s * b, b, HAS_DSCORES=dscores is not None, HAS_DGATE=dgate is not None, BLOCK_S=_BLOCK_S)
+                scores if scores is not None else dlogits, dloss if dloss is not None else dlogits,
+                dloss.stride(0) if dloss is not None else 0, dlogits, s * b, b, float(bce_coeff) / (s * b),
+                HAS_DSCORES=dscores is not None, HAS_DGATE=dgate is not None, HAS_DLOSS=dloss is not None,
+                BLOCK_S=_BLOCK_S)
     return dlogits
