@@ -200,11 +200,18 @@ def _install_training() -> None:
     # 11. training.py:1117 set_jit_fusion_options -> initialize.py:508-547 warms the fused kernels up
     #     with torch.rand(..., device="cuda") in sizes that depend on the TP size. On a GPU that draws
     #     from the CUDA generator; here it would draw from the CPU generator that --use-cpu-
-    #     initialization uses next, so TP=1 and TP=2 would start from different weights.
+    #     initialization uses next, so TP=1 and TP=2 would start from different weights. It also
+    #     compiles bias-GeLU/SwiGLU and bias-dropout-add (Inductor) whatever the fusion flags say: with
+    #     all three off (--xmod-cpu) nothing would call what it compiles, so it is skipped.
     warmup = training.set_jit_fusion_options
 
     @functools.wraps(warmup)
     def set_jit_fusion_options(*args, **kwargs):
+        from megatron.training import get_args
+
+        parsed = get_args()
+        if not (parsed.bias_gelu_fusion or parsed.bias_swiglu_fusion or parsed.bias_dropout_fusion):
+            return None
         state = torch.get_rng_state()
         try:
             return warmup(*args, **kwargs)

@@ -27,8 +27,8 @@ from megatron_xmod.presets import Backbone
 # Not a paper backbone: small enough for 2 CPU cores, same family (GQA, SwiGLU, RMSNorm, RoPE, QK-norm).
 DEMO_BACKBONE = Backbone("demo", hidden_size=128, head_dim=32, num_attention_heads=4, num_query_groups=2,
                          ffn_hidden_size=384, num_layers=6, rotary_base=10000)
-CPU_FLAGS = ["--distributed-backend", "gloo", "--no-gradient-accumulation-fusion", "--transformer-impl", "local",
-             "--no-persist-layer-norm", "--no-create-attention-mask-in-dataloader", "--use-cpu-initialization"]
+# megatron on a CPU, megatron's compiled fusions off (training/flags.py); expanded by the entry point
+CPU_FLAGS = ["--xmod-cpu"]
 # Activated depth 6 for all three; K = 4 so that routing is visible at a 256-token context.
 MODELS = {
     "dense": ("dense", "D*6"),

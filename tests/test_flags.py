@@ -42,3 +42,15 @@ def test_backbone_file_and_cpu_flags_expand(tmp_path):
     layout = parse_layout(argv[argv.index("--xmod-layout") + 1], "mod")
     assert layout.activated_depth == DEMO_BACKBONE.num_layers  # named models derive their layout for the file's depth
     assert argv[argv.index("--num-layers") + 1] == str(layout.num_layers)
+
+
+def test_cpu_flags_turn_megatron_compiled_fusions_off_unless_kept():
+    from megatron_xmod.training.flags import CPU_COMPILED_FUSIONS
+
+    base = ["--num-layers", "2", "--xmod-cpu"]
+    argv = expand_arguments(base)
+    assert all(flag in argv for flag in CPU_COMPILED_FUSIONS)
+    kept = expand_arguments(base + ["--xmod-cpu-fusions"])
+    assert not any(flag in kept for flag in CPU_COMPILED_FUSIONS)
+    once = expand_arguments(base + ["--no-bias-swiglu-fusion"])
+    assert once.count("--no-bias-swiglu-fusion") == 1

@@ -30,6 +30,11 @@ PAPER_SCHEDULE = ["--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.01"] 
 CPU_FLAGS = ["--distributed-backend", "gloo", "--no-gradient-accumulation-fusion", "--transformer-impl", "local",
              "--no-persist-layer-norm", "--no-create-attention-mask-in-dataloader", "--use-cpu-initialization",
              "--no-rope-fusion"]
+# megatron's compiled fusions (torch.compile, i.e. Inductor's C++ code generation on CPU), off with --xmod-cpu
+# unless --xmod-cpu-fusions: at CPU sizes they buy nothing, they make the numbers depend on the code
+# generator and the CPU's vector width, and a PyTorch 2.13 Inductor cache written on a CPU of another
+# vector width hands back wrong kernels (docs/reliability.md); off, a CLI run builds what the tests build.
+CPU_COMPILED_FUSIONS = ["--no-bias-dropout-fusion", "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion"]
 # Flags that describe the layout: after expansion only the explicit family and layout remain.
 _LAYOUT_FLAGS = {"--xmod-model", "--xmod-routing-family", "--xmod-layout", "--xmod-anchor-stride",
                  "--xmod-dense-prefix", "--xmod-activated-depth"}
@@ -95,7 +100,10 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "--pipeline-model-parallel-layout of `xmod partition`; default: megatron's own split"
                            )
     group.add_argument("--xmod-cpu", action="store_true",
-                       help="megatron on a CPU: " + " ".join(CPU_FLAGS))
+                       help="megatron on a CPU: " + " ".join(CPU_FLAGS + CPU_COMPILED_FUSIONS))
+    group.add_argument("--xmod-cpu-fusions", action="store_true",
+                       help="with --xmod-cpu, keep megatron's torch.compile fusions (bias-dropout-add, bias-SwiGLU/GeLU); "
+                            "default: off on CPU")
     group.add_argument("--xmod-allow-model-change", dest="xmod_allow_model_change", action="append", default=None,
                        metavar="FIELD[,FIELD]",
                        help="with --load: resume although the checkpoint's run identity differs in FIELD (e.g. "
@@ -175,6 +183,8 @@ def expand_arguments(argv: list[str]) -> list[str]:
     if pre.xmod_cpu:  # a document mask (--reset-attention-mask) needs the dataloader's mask
         head += [flag for flag in CPU_FLAGS if flag != "--no-create-attention-mask-in-dataloader"
                  or "--reset-attention-mask" not in argv]
+        if not pre.xmod_cpu_fusions:
+            head += [flag for flag in CPU_COMPILED_FUSIONS if flag not in argv]
     if pre.xmod_muon_table5:
         head += MUON_TABLE5
     if pre.xmod_paper_schedule:
