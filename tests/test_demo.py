@@ -1,7 +1,7 @@
 """The main job end to end at a tiny budget: real runs in, table and plot out."""
 import json
-import shlex
 import os
+import shlex
 import subprocess
 import sys
 
