@@ -94,7 +94,8 @@ setup(
     version="0.1.0",
     description="X-MoD / MoD sparse-depth routing and DTop-p MoE for megatron-core",
     packages=find_packages(include=["megatron_xmod", "megatron_xmod.*"]),
-    package_data={"megatron_xmod.hf.eval_tasks": ["*.yaml"]},  # the lm-eval task definitions
+    # the lm-eval task definitions; the seed spread `xmod demo` prints (bench/quality.py writes it)
+    package_data={"megatron_xmod.hf.eval_tasks": ["*.yaml"], "megatron_xmod.data": ["*.json"]},
     python_requires=">=3.12",
     install_requires=[
         "torch>=2.6",

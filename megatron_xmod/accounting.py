@@ -8,7 +8,10 @@ Conventions (the X-MoD paper's, checked against its Table 6):
   (T on average for DTop-p); the expert bias of the baselines is a buffer, not a parameter;
 - forward FLOPs per token (Eq.24/25 made exact): 2 x activated non-embedding matmul parameters
   + 4 * L * (heads * head_dim) * sum over layers of (fraction routed * keys attended / L),
-  attention counted at full length L (non-causal) and without the LM head;
+  attention counted at full length L (non-causal) and without the LM head; with document masks
+  (--reset-attention-mask), over the token's document only: ``mean_doc_length`` M replaces L by
+  min(L, M) in the attention term (M the token-weighted mean length sum(n^2) / sum(n) of the documents
+  the sequences pack, which equals the plain mean when all have one length);
 - at equal training compute C, tokens seen scale as 1/FLOPs (Eq.26): D/D_D = phi_D / phi.
 """
 from __future__ import annotations
@@ -81,6 +84,7 @@ class ModelCount:
     backbone: str
     layout: str
     seq_len: int
+    attention_len: int  # keys a token's attention spans: L, or min(L, mean document length) with document masks
     num_layers: int
     num_sparse_layers: int
     activated_depth: float
@@ -115,16 +119,21 @@ def dense_reference(layout: Layout) -> Layout:
     return parse_layout(f"D*{int(depth)}")
 
 
-def count(model: ModelDescription, seq_len: int) -> ModelCount:
+def count(model: ModelDescription, seq_len: int, mean_doc_length: Optional[float] = None) -> ModelCount:
     """Parameters and FLOPs of ``model``; the dense reference is the dense model of the same
-    activated depth on the same backbone (:func:`dense_reference`; NaN ratios when there is none)."""
+    activated depth on the same backbone (:func:`dense_reference`; NaN ratios when there is none).
+    ``mean_doc_length``: attention over documents of that (token-weighted) mean length, not the whole
+    sequence (document masks; see the module docstring)."""
     if seq_len < 1:
         raise ValueError(f"seq_len: must be >= 1, got {seq_len}")
+    if mean_doc_length is not None and not mean_doc_length >= 1:
+        raise ValueError(f"mean_doc_length: must be >= 1 token, got {mean_doc_length!r}")
+    attention_len = seq_len if mean_doc_length is None else min(seq_len, round(mean_doc_length))
     b, layout, moe = model.backbone, model.layout, model.moe
     totals = _sum_layers(b, layout, moe)
-    flops = _forward_flops(b, totals, seq_len)
+    flops = _forward_flops(b, totals, attention_len)
     try:
-        dense_flops = _forward_flops(b, _sum_layers(b, dense_reference(layout), None), seq_len)
+        dense_flops = _forward_flops(b, _sum_layers(b, dense_reference(layout), None), attention_len)
     except ValueError:  # a fractional activated depth: no dense model to compare with (xmod count refuses it)
         dense_flops = float("nan")
     notation = layout.notation
@@ -135,6 +144,7 @@ def count(model: ModelDescription, seq_len: int) -> ModelCount:
         backbone=b.name,
         layout=notation,
         seq_len=seq_len,
+        attention_len=attention_len,
         num_layers=layout.num_layers,
         num_sparse_layers=layout.num_sparse_layers,
         activated_depth=float(layout.activated_depth),
@@ -147,8 +157,9 @@ def count(model: ModelDescription, seq_len: int) -> ModelCount:
     )
 
 
-def count_model(b: Backbone, model: str | Layout, seq_len: int, dense_prefix: int = 4) -> ModelCount:
+def count_model(b: Backbone, model: str | Layout, seq_len: int, dense_prefix: int = 4,
+                mean_doc_length: Optional[float] = None) -> ModelCount:
     """:func:`count` of a model name or layout (see :func:`~megatron_xmod.presets.parse_model`) on ``b``."""
     if isinstance(model, Layout):
-        return count(ModelDescription(model.notation, b, model), seq_len)
-    return count(parse_model(model, b, dense_prefix=dense_prefix), seq_len)
+        return count(ModelDescription(model.notation, b, model), seq_len, mean_doc_length)
+    return count(parse_model(model, b, dense_prefix=dense_prefix), seq_len, mean_doc_length)

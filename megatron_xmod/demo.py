@@ -89,7 +89,7 @@ def _train(name: str, iters: int, args, corpus_args: list[str], out: Path) -> Pa
               "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
               "--train-iters", str(iters), "--lr", str(args.lr), "--xmod-paper-schedule",
               "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
-              "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
+              "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", str(getattr(args, "seed", 1234)),
               "--log-interval", "1", "--eval-interval", str(args.eval_interval)]
     _launch(common[:4] + [f"--master_port={_free_port()}"] + common[4:]
             + ["--eval-iters", str(args.eval_iters), "--tensorboard-dir", str(run_dir / "tb"),
@@ -193,6 +193,7 @@ def run(args) -> int:
             "val_loss_threshold": r["val_loss_threshold"], "val_loss_topk": r["val_loss_topk"],
         })
     _print_table(rows)
+    print("\n".join(seed_spread_lines(args)))
     (out / "results.json").write_text(json.dumps({"rows": rows, "curves": {n: results[n]["curve"] for n in names}}, indent=1))
     finals = {r["model"]: (r["training_flops"], r["val_loss_threshold"]) for r in rows}
     plot = _plot({n: results[n]["curve"] for n in names}, finals, out / "val_loss_vs_flops.png")
@@ -202,6 +203,31 @@ def run(args) -> int:
 
         print(demo_export(out / "xmod" / "ckpt", out / "xmod" / "hf", "To be, or not to be"), flush=True)
     return 0
+
+
+SEED_SPREAD = Path(__file__).resolve().parent / "data" / "demo_seed_spread.json"  # written by bench/quality.py
+
+
+def seed_spread_lines(args, record_path: Path = SEED_SPREAD) -> list[str]:
+    """What the seed study (bench/quality.py) measured at the demo's settings: each model's spread over
+    seeds and which differences to Dense it resolves. Printed under the table, so that a difference in
+    the last digits is not read as a ranking."""
+    if not record_path.is_file():
+        return ["[demo] no seed spread recorded; bench/quality.py measures it"]
+    record = json.loads(record_path.read_text())
+    settings = {key: getattr(args, key, None) for key in record["settings"]}
+    if settings != record["settings"]:
+        return [f"[demo] the seed spread of {record['source']} was measured at other settings ({record['settings']}); "
+                "bench/quality.py measures it at these"]
+    spread = ", ".join(f"{name} {row['sd']:.4f}" for name, row in record["models"].items())
+    lines = [f"[demo] seed spread ({record['source']}: {record['seeds']} seeds of these settings, {record['machine']}, "
+             f"{record['date']}): sd of val loss {spread}"]
+    for name, row in record["models"].items():
+        if "diff_mean" in row:
+            verdict = "larger than its spread" if row["resolved"] else "not resolved by 3 seeds: no ranking"
+            lines.append(f"[demo]   {name} minus dense: {row['diff_mean']:+.4f} +- {row['diff_sd']:.4f} ({verdict})")
+    lines.append("[demo] the last digits repeat only on the same machine and software (docs/reproducibility.md)")
+    return lines
 
 
 def _print_table(rows: list[dict]) -> None:

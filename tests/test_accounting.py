@@ -121,3 +121,31 @@ def test_mod_count_equals_the_built_mod_model(seeded):
     assert config.layer_layout.family == "mod"
     built = sum(p.numel() for p in model.parameters())
     assert count_model(TINY, config.layer_layout, 64).total_params == built
+
+
+def test_document_masks_count_attention_over_the_mean_document_length():
+    """Hand derivation: forward FLOPs/token = 2 x activated matmul parameters + 4 x span x (heads x head_dim)
+    x the attention units of the layers (a dense layer 1, a sparse layer 1/K routed x 1/K of the keys).
+    A document mask of mean length M only changes the span: L -> min(L, M)."""
+    b = BACKBONES["1.65b"]
+    full = count_model(b, "xmod-a4k8", 32768)
+    masked = count_model(b, "xmod-a4k8", 32768, mean_doc_length=2048)
+    layout = layout_from_model_name("xmod-a4k8", activated_depth=b.num_layers)
+    units = sum(1 if not layer.is_sparse else 1 / layer.sparsity_k ** 2 for layer in layout.layers)
+    attention_dim = b.num_attention_heads * b.head_dim
+    assert full.flops_per_token - masked.flops_per_token == pytest.approx(4 * (32768 - 2048) * attention_dim * units)
+    dense_full, dense_masked = count_model(b, "dense", 32768), count_model(b, "dense", 32768, mean_doc_length=2048)
+    assert dense_full.flops_per_token - dense_masked.flops_per_token == pytest.approx(
+        4 * (32768 - 2048) * attention_dim * b.num_layers)
+    assert masked.attention_len == 2048 and full.attention_len == 32768
+    # X-MoD's FLOPs edge is an attention edge: short documents shrink it (0.568 -> 0.915 of Dense here)
+    assert masked.flops_ratio_vs_dense == pytest.approx(masked.flops_per_token / dense_masked.flops_per_token)
+    assert full.flops_ratio_vs_dense < 0.6 < 0.9 < masked.flops_ratio_vs_dense
+    # documents longer than the sequence change nothing; a length below one token is refused
+    assert count_model(b, "dense", 4096, mean_doc_length=10**6).flops_per_token == count_model(b, "dense", 4096).flops_per_token
+    with pytest.raises(ValueError, match="mean_doc_length: must be >= 1"):
+        count_model(b, "dense", 4096, mean_doc_length=0)
+    out = subprocess.run([sys.executable, "-m", "megatron_xmod.cli", "count", "--backbone", "1.65b", "--model",
+                          "xmod-a4k8", "--mean-doc-length", "2048", "--json"], capture_output=True, text=True,
+                         check=True).stdout
+    assert json.loads(out)["flops_per_token"] == pytest.approx(masked.flops_per_token)

@@ -20,6 +20,10 @@ def register(subparsers) -> None:
                         "or a layout such as 'D*4 + (S8*8 + D)*4'; repeat for a table (default: the paper's four, "
                         "less those the backbone cannot build)")
     p.add_argument("--seq-len", type=int, default=32768)
+    p.add_argument("--mean-doc-length", type=float, default=None,
+                   help="training with document masks (--reset-attention-mask): attention spans a token's document "
+                        "only, so FLOPs count min(L, this) keys; the token-weighted mean sum(n^2)/sum(n) of the "
+                        "packed documents' lengths n (default: full-length attention)")
     p.add_argument("--dense-prefix", type=int, default=4, help="N0 for xmod-a<A>k<K> names")
     p.add_argument("--json", action="store_true", help="one JSON object per model, one per line")
     add_memory_arguments(p)  # --memory: per-GPU bytes by part (megatron_xmod.training.memory_estimate)
@@ -57,7 +61,7 @@ def run(args) -> int:
     for model in models:
         description = parse_model(model, backbone, dense_prefix=args.dense_prefix)
         reference = dense_reference(description.layout)  # refuses a layout no dense model matches
-        row = count(description, args.seq_len).to_dict()
+        row = count(description, args.seq_len, args.mean_doc_length).to_dict()
         rows.append(dict(model=model, dense_reference=reference.notation, **row))
     if args.json:
         for row in rows:
@@ -65,7 +69,8 @@ def run(args) -> int:
         return 0
     width = max(12, *(len(r["model"]) for r in rows))
     header = f"{'model':<{width}} {'layers':>6} {'N':>8} {'N_act':>8} {'FLOPs/tok':>10} {'phi/phi_D':>9} {'D/D_D':>6}  layout"
-    print(f"backbone {backbone.name}, L = {args.seq_len}; phi/phi_D and D/D_D against the dense model of the same "
+    span = "" if args.mean_doc_length is None else f", attention over documents of {rows[0]['attention_len']} tokens"
+    print(f"backbone {backbone.name}, L = {args.seq_len}{span}; phi/phi_D and D/D_D against the dense model of the same "
           f"activated depth ({', '.join(sorted(set(r['dense_reference'] for r in rows)))})")
     print(header)
     for r in rows:

@@ -198,7 +198,8 @@ def run_plan(args) -> int:
         r = FITTED_RANGE
         print(f"  Table 8 was fitted on L = {r['L'][0]}..{r['L'][1]}, N_act = {r['N_act'][0] / 1e6:.0f}M.."
               f"{r['N_act'][1] / 1e6:.0f}M, K <= {r['K'][1]}, A = {r['A'][0]:g}..{r['A'][1]:g} (notes below say when "
-              "a plan leaves it)")
+              "a plan leaves it), on whole-sequence attention: runs with document masks (--reset-attention-mask) "
+              "attend over their documents only, which the law did not see")
     if plan.infeasible:
         print(f"  infeasible (A*K or N1 = ({backbone.num_layers}-N0)/(1+A) with N0 = {args.dense_prefix} not whole), "
               f"skipped: {_infeasible_summary(plan.infeasible)}")

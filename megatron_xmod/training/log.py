@@ -220,6 +220,10 @@ def startup_summary(args, argument_dump: str = "") -> str:
                          "depth: tokens trained at equal FLOPs)")
         except ValueError as error:
             lines.append(f"compute    no dense reference: {error}")
+        if getattr(args, "reset_attention_mask", False):
+            lines.append(f"documents  --reset-attention-mask: attention spans a token's own document, so the FLOPs above "
+                         f"(attention over L = {args.seq_length}) are an upper bound; at a mean document length M: "
+                         f"xmod count --seq-len {args.seq_length} --mean-doc-length M")
     if args.train_iters:
         total = args.train_iters * tokens_per_step
         flops = f", {3 * counted.flops_per_token * total:.3g} training FLOPs" if counted else ""
