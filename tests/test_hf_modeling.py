@@ -309,3 +309,25 @@ def test_import_registers_with_auto_classes(xmod_hf, tmp_path):
     tokens = _tokens()
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens).logits, xmod_hf(tokens).logits, rtol=0, atol=0)
+
+
+def test_packed_documents_score_like_separate_sequences(xmod_hf):
+    """transformers' packing convention (position_ids restarting for each document, as
+    DataCollatorWithFlattening writes them): each document's logits equal those of the document alone
+    (the threshold rule routes token by token, and attention stays inside the document); without the
+    restarting positions the second document attends to the first."""
+    from megatron_xmod.hf.modeling_xmod import packed_documents
+
+    first, second = _tokens(1, 9, seed=11), _tokens(1, 13, seed=12)
+    packed = torch.cat([first, second], dim=1).expand(2, -1)  # two rows: documents are found per row
+    positions = torch.cat([torch.arange(9), torch.arange(13)])[None]
+    assert packed_documents(positions).tolist() == [[0] * 9 + [1] * 13]
+    assert packed_documents(torch.arange(22)[None]) is None
+    with torch.no_grad():
+        out = xmod_hf(packed, position_ids=positions)
+        alone = [xmod_hf(t, use_cache=False).logits for t in (first, second)]
+        crossed = xmod_hf(packed, use_cache=False).logits  # the same tokens as one document
+    torch.testing.assert_close(out.logits[:, :9], alone[0].expand(2, -1, -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logits[:, 9:], alone[1].expand(2, -1, -1), atol=1e-5, rtol=1e-5)
+    assert (crossed[:, 9:] - alone[1]).abs().max() > 1e-3
+    assert out.past_key_values is None  # several documents in a row: nothing to continue generating from

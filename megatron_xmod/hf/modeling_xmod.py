@@ -44,6 +44,18 @@ except ImportError:  # inside the megatron_xmod package
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+def packed_documents(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """The document of every token of a packed input, transformers' convention for packing (e.g.
+    ``DataCollatorWithFlattening``): ``position_ids`` fall back for each new document of a row (as in
+    transformers, a fall, not a repeat: the clamped zeros of left padding are one document). Returns
+    ``[b, n]`` document numbers, or None when no row falls back (one document a row: plain causal
+    attention). One read of the positions (a prefill's)."""
+    restarts = position_ids[..., 1:] < position_ids[..., :-1]
+    if not bool(restarts.any()):
+        return None
+    return torch.cat([torch.zeros_like(restarts[..., :1]), restarts], dim=-1).long().cumsum(-1)
+
+
 class XModRMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -96,10 +108,11 @@ class XModAttention(nn.Module):
             self.k_norm = XModRMSNorm(d, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                cache: Optional[XModCache] = None) -> torch.Tensor:
+                cache: Optional[XModCache] = None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` ``[b, m, h]``: the tokens this layer processes, in order; ``valid`` ``[b, m]``: which of
         them other tokens may attend to (not padding). Each token attends causally to the valid
-        tokens of this layer before it (cached ones included) and to itself."""
+        tokens of this layer before it (cached ones included) and to itself; with ``documents``
+        ``[b, m]`` (packed inputs, no cache: :func:`packed_documents`) only to those of its own document."""
         b, m, _ = x.shape
         q = self.q_proj(x).view(b, m, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, m, self.groups, self.head_dim)
@@ -119,7 +132,10 @@ class XModAttention(nn.Module):
         causal = torch.cat([torch.ones(m, past, dtype=torch.bool, device=x.device), new], dim=1)  # [m, past + m]
         itself = torch.cat([torch.zeros(m, past, dtype=torch.bool, device=x.device),
                             torch.eye(m, dtype=torch.bool, device=x.device)], dim=1)
-        allowed = (causal & key_valid[:, None, :]) | itself  # [b, m, past + m]
+        allowed = causal & key_valid[:, None, :]  # [b, m, past + m]
+        if documents is not None:
+            allowed = allowed & (documents[:, :, None] == documents[:, None, :])
+        allowed = allowed | itself
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), scale=1.0 / math.sqrt(self.head_dim),
                                              enable_gqa=self.heads != self.groups)
         return self.o_proj(out.transpose(1, 2).reshape(b, m, self.heads * self.head_dim))
@@ -213,18 +229,20 @@ class XModDecoderLayer(nn.Module):
             if config.routing_family == "xmod":
                 self.gate_scale = nn.Parameter(torch.ones(1))
 
-    def _attention_and_mlp(self, x, positions, valid, cache):
-        attention = self.self_attn(self.input_layernorm(x), positions, valid, cache)
+    def _attention_and_mlp(self, x, positions, valid, cache, documents=None):
+        attention = self.self_attn(self.input_layernorm(x), positions, valid, cache, documents)
         return attention, self.mlp(self.post_attention_layernorm(x + attention))
 
-    def forward(self, x, positions, valid, cache=None, carried_bias=None, rule="threshold", routes_one=False):
-        """Returns (x, token-choice bias after this layer or None for a dense layer).
+    def forward(self, x, positions, valid, cache=None, carried_bias=None, rule="threshold", routes_one=False,
+                documents=None):
+        """Returns (x, token-choice bias after this layer or None for a dense layer). ``documents``:
+        the document of each token of a packed input (attention stays inside it).
 
         ``routes_one``: a decode step (one new token per sequence) known to route at least one of them
         here (:meth:`XModModel._decode_sparse_run`): the batch takes the static one-entry shape
         without reading the selection back from the device."""
         if not self.sparse:
-            attention, mlp = self._attention_and_mlp(x, positions, valid, cache)
+            attention, mlp = self._attention_and_mlp(x, positions, valid, cache, documents)
             return x + attention + mlp, None
         cfg = self.config
         logits = self.router(x).squeeze(-1).float()  # [b, n]
@@ -243,7 +261,8 @@ class XModDecoderLayer(nn.Module):
         keep = torch.ones_like(indices, dtype=torch.bool) if keep is None else keep.t()
         routed = torch.gather(x, 1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         attention, mlp = self._attention_and_mlp(routed, torch.gather(positions, 1, indices),
-                                                 keep & torch.gather(valid, 1, indices), cache)
+                                                 keep & torch.gather(valid, 1, indices), cache,
+                                                 None if documents is None else torch.gather(documents, 1, indices))
         r = torch.sigmoid(torch.gather(decision.scores.t(), 1, indices)).to(x.dtype)
         # Eq.(7) x + varsigma * r * (a + f), or Eq.(6) x + a + r * f (MoD)
         delta, gate = gated_residual(cfg.routing_family, attention, mlp, r, getattr(self, "gate_scale", None),
@@ -338,11 +357,16 @@ class XModModel(XModPreTrainedModel):
             valid = attention_mask[:, -n:].bool()
         else:
             valid = torch.ones(b, n, dtype=torch.bool, device=x.device)
+        documents = None
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -n:]
             else:
                 position_ids = torch.arange(past, past + n, device=x.device).expand(b, n)
+        elif past == 0 and n > 1:
+            documents = packed_documents(position_ids)
+            if documents is not None:  # several documents in a row: scored one by one, nothing to decode from
+                cache, documents = None, documents.expand(b, n)
         position_ids = position_ids.expand(b, n)
         decoding = self.decode_skips_unrouted and cache is not None and n == 1 and rule == "threshold"
         bias = None  # token-choice bias of this pass's tokens, from the sparse layer just run
@@ -351,7 +375,8 @@ class XModModel(XModPreTrainedModel):
             if decoding and self.layers[i].sparse:
                 i, x, bias = self._decode_sparse_run(i, x, position_ids, valid, cache)
                 continue
-            x, bias = self.layers[i](x, position_ids, valid, cache, bias if cfg.carries_bias(i) else None, rule)
+            x, bias = self.layers[i](x, position_ids, valid, cache, bias if cfg.carries_bias(i) else None, rule,
+                                     documents=documents)
             i += 1
         if cache is not None:
             cache.advance(n)
