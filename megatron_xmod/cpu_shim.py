@@ -202,7 +202,9 @@ def _install_training() -> None:
     #     from the CUDA generator; here it would draw from the CPU generator that --use-cpu-
     #     initialization uses next, so TP=1 and TP=2 would start from different weights. It also
     #     compiles bias-GeLU/SwiGLU and bias-dropout-add (Inductor) whatever the fusion flags say: with
-    #     all three off (--xmod-cpu) nothing would call what it compiles, so it is skipped.
+    #     all three off (--xmod-cpu) nothing would call what it compiles, so it is skipped, and
+    #     torch.compile is turned off for the run (megatron decorates a few more functions with it at
+    #     import, e.g. the MoE router's expert bias; they then run eagerly).
     warmup = training.set_jit_fusion_options
 
     @functools.wraps(warmup)
@@ -211,6 +213,9 @@ def _install_training() -> None:
 
         parsed = get_args()
         if not (parsed.bias_gelu_fusion or parsed.bias_swiglu_fusion or parsed.bias_dropout_fusion):
+            import torch._dynamo
+
+            torch._dynamo.config.disable = True
             return None
         state = torch.get_rng_state()
         try:
