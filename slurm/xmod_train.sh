@@ -85,7 +85,8 @@ print(" ".join(megatron_args(ensure_default_corpus("sentencepiece", progress=Fal
   DATA_ARGS=($CORPUS_ARGS)
   OPT_ARGS=(--lr 3e-3 --xmod-paper-schedule --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --seed 1234)
   DEVICE_ARGS=(--distributed-backend gloo --no-gradient-accumulation-fusion --transformer-impl local
-               --no-persist-layer-norm --no-create-attention-mask-in-dataloader --use-cpu-initialization)
+               --no-persist-layer-norm --no-create-attention-mask-in-dataloader --use-cpu-initialization
+               --no-bias-dropout-fusion --no-bias-swiglu-fusion --no-bias-gelu-fusion)  # nothing compiled on CPU
   DESC="smoke: tiny X-MoD D*2 + (S4*4 + D)*2 on CPU"
 else
   BACKBONE="${BACKBONE:-1.65b}"

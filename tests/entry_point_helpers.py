@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from helpers import english_bytes
 
+from megatron_xmod.training.flags import CPU_COMPILED_FUSIONS
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 RUNNER = TESTS / "run_megatron_lm.py"
@@ -26,7 +28,7 @@ ARCH = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-head
         "--qk-layernorm"]
 CPU = ["--distributed-backend", "gloo", "--no-gradient-accumulation-fusion", "--transformer-impl", "local",
        "--no-persist-layer-norm", "--no-create-attention-mask-in-dataloader", "--use-cpu-initialization",
-       "--no-rope-fusion"]
+       "--no-rope-fusion", *CPU_COMPILED_FUSIONS]  # what --xmod-cpu gives (these also reach Megatron-LM's pretrain_gpt.py)
 SCHEDULE = ["--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
 
 

@@ -10,6 +10,8 @@ import sys
 import pytest
 from entry_point_helpers import free_port, write_byte_data
 
+from megatron_xmod.training.flags import CPU_COMPILED_FUSIONS
+
 pytestmark = pytest.mark.slow
 
 ITERS = 12
@@ -19,7 +21,8 @@ ARCH = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-head
         "--disable-bias-linear", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
         "--qk-layernorm"]
 CPU = ["--distributed-backend", "gloo", "--no-gradient-accumulation-fusion", "--transformer-impl", "local",
-       "--no-persist-layer-norm", "--no-create-attention-mask-in-dataloader", "--use-cpu-initialization"]
+       "--no-persist-layer-norm", "--no-create-attention-mask-in-dataloader", "--use-cpu-initialization",
+       *CPU_COMPILED_FUSIONS]
 
 
 @pytest.fixture(scope="module")
