@@ -222,10 +222,20 @@ def seed_spread_lines(args, record_path: Path = SEED_SPREAD) -> list[str]:
     spread = ", ".join(f"{name} {row['sd']:.4f}" for name, row in record["models"].items())
     lines = [f"[demo] seed spread ({record['source']}: {record['seeds']} seeds of these settings, {record['machine']}, "
              f"{record['date']}): sd of val loss {spread}"]
+    def verdict(d):
+        if d.get("resolved_t95"):
+            return "beyond its spread (95%)"
+        if d["resolved"]:
+            return "beyond 2 standard errors, not at 95%: a weak ranking"
+        return f"not resolved by {record['seeds']} seeds: no ranking"
+
     for name, row in record["models"].items():
         if "diff_mean" in row:
-            verdict = "larger than its spread" if row["resolved"] else "not resolved by 3 seeds: no ranking"
-            lines.append(f"[demo]   {name} minus dense: {row['diff_mean']:+.4f} +- {row['diff_sd']:.4f} ({verdict})")
+            lines.append(f"[demo]   {name} minus dense: {row['diff_mean']:+.4f} +- {row['diff_sd']:.4f} ({verdict(row)})")
+        versus_mod = row.get("xmod_minus_mod")
+        if versus_mod:
+            lines.append(f"[demo]   {name} minus mod: {versus_mod['diff_mean']:+.4f} +- {versus_mod['diff_sd']:.4f} "
+                         f"({verdict(versus_mod)})")
     lines.append("[demo] the last digits repeat only on the same machine and software (docs/reproducibility.md)")
     return lines
 

@@ -32,7 +32,8 @@ def test_differences_are_paired_by_seed_and_resolved_only_beyond_two_standard_er
     assert rows["xmod"]["diffs"] == pytest.approx(diffs)
     sd = math.sqrt(sum((d + 0.10) ** 2 for d in diffs) / 2)
     assert rows["xmod"]["diff_sd"] == pytest.approx(sd) and rows["xmod"]["diff_se"] == pytest.approx(sd / math.sqrt(3))
-    assert rows["xmod"]["resolved"]  # a consistent difference: 0.10 against an SE of 0.006
+    assert rows["xmod"]["resolved"] and rows["xmod"]["resolved_t95"]  # a consistent 0.10 against an SE of 0.006
+    assert rows["xmod"]["xmod_minus_mod"]["diffs"] == pytest.approx([-0.20, 0.01, -0.11])
     assert rows["mod"]["diff_mean"] == pytest.approx(0.0) and not rows["mod"]["resolved"]  # +0.1, -0.1, 0
 
 
@@ -60,9 +61,11 @@ def _record(tmp_path, **settings):
                   settings={**base, **settings},
                   models={"dense": {"mean": 5.58, "sd": 0.01, "n": 3},
                           "mod": {"mean": 5.50, "sd": 0.02, "n": 3, "diff_mean": -0.08, "diff_sd": 0.01,
-                                  "diff_se": 0.006, "resolved": True},
+                                  "diff_se": 0.006, "resolved": True, "resolved_t95": True},
                           "xmod": {"mean": 5.57, "sd": 0.03, "n": 3, "diff_mean": -0.01, "diff_sd": 0.03,
-                                   "diff_se": 0.017, "resolved": False}})
+                                   "diff_se": 0.017, "resolved": False, "resolved_t95": False,
+                                   "xmod_minus_mod": {"diff_mean": 0.07, "diff_sd": 0.04, "diff_se": 0.023,
+                                                      "resolved": True, "resolved_t95": False}}})
     path = tmp_path / "spread.json"
     path.write_text(json.dumps(record))
     return path
@@ -73,8 +76,9 @@ def test_demo_prints_the_recorded_spread_and_claims_no_unresolved_ranking(tmp_pa
                                  tokenizer="sentencepiece")
     text = "\n".join(seed_spread_lines(args, _record(tmp_path)))
     assert "bench/results/quality_x.md: 3 seeds" in text and "dense 0.0100" in text
-    assert "mod minus dense: -0.0800 +- 0.0100 (larger than its spread)" in text
+    assert "mod minus dense: -0.0800 +- 0.0100 (beyond its spread (95%))" in text
     assert "xmod minus dense: -0.0100 +- 0.0300 (not resolved by 3 seeds: no ranking)" in text
+    assert "xmod minus mod: +0.0700 +- 0.0400 (beyond 2 standard errors, not at 95%: a weak ranking)" in text
     other = "\n".join(seed_spread_lines(types.SimpleNamespace(**{**vars(args), "seq_length": 64}), _record(tmp_path)))
     assert "measured at other settings" in other and "minus dense" not in other
     assert "no seed spread recorded" in seed_spread_lines(args, tmp_path / "missing.json")[0]
