@@ -184,8 +184,9 @@ def write_results(summary: dict, runs: list[dict], meta: dict, out: Path, tag: s
              f"- models: the demo's (megatron_xmod.demo.MODELS), {meta['tokens_per_step']} tokens a step, the Dense model "
              f"{meta['dense_iters']} steps and the others at its training FLOPs; seeds {meta['seeds']}",
              "- loss: final checkpoint on the same held-out sequences; differences paired by seed; resolved: "
-             "|mean difference| > 2 standard errors (SE = sd / sqrt(seeds)); with 3 seeds that is an ~82% interval, "
-             "so the 95% test of Student's t (4.3 SE at 3 seeds) is given too", ""]
+             "|mean difference| > 2 standard errors (SE = sd / sqrt(seeds)); with few seeds that is a wide net (an ~82% "
+             "interval at 3 seeds, ~86% at 4), so the 95% test of Student's t (4.30 SE at 3 seeds, 3.18 at 4) is given too",
+             ""]
     for L, s in summary.items():
         for title, key in (("equal training FLOPs, threshold rule (deployable)", "equal_flops_threshold"),
                            ("equal training FLOPs, top-k rule", "equal_flops_topk"),
