@@ -79,7 +79,7 @@ def build_gpt_model(
         pg_collection=pg_collection,
     )
     attach_routing_state(model, eval_rule=getattr(config, "xmod_eval_routing", "threshold"),
-                         eval_capacity_factor=getattr(config, "xmod_eval_capacity_factor", 1.0))
+                         eval_capacity_factor=getattr(config, "xmod_eval_capacity_factor", 0.0))
     install_capacity_check(model)
     return model
 

@@ -143,6 +143,7 @@ def _count_syncs(family, steps):
     model.eval()
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=g)
     state = sparse_layers(model)[0].routing_state
+    state.eval_capacity_factor = 1.0  # --xmod-eval-capacity-factor 1
     for rule in ("threshold", "threshold", "topk"):  # the first threshold pass sizes the second's widths
         with torch.no_grad(), eval_routing(model, rule), SyncCounter() as syncs:
             loss = model(tokens, positions, None, labels=tokens)

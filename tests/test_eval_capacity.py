@@ -3,8 +3,9 @@
 Sparse layers batch their threshold selections at a capacity sized from L/K and from their widest
 selection in the previous pass; the decoder reads once per pass whether a sequence selected more and
 then runs the pass again at exact widths. The claim tested here: that machinery changes nothing a
-user sees. Logits and the routing statistics equal those of exact widths (--xmod-eval-capacity-factor
-0, one host read per sparse layer) pass after pass, also when a pass overflows and is run again.
+user sees beyond the rounding of other shapes. Logits and the routing statistics equal those of exact
+widths (--xmod-eval-capacity-factor 0, the default: one host read per sparse layer) pass after pass,
+also when a pass overflows and is run again.
 """
 import pytest
 import torch
@@ -22,8 +23,8 @@ def _pair():
     """(capacity model, exact-width model) with the same weights and saturated routers (content-dependent
     selections of very different sizes per sequence)."""
     torch.manual_seed(0)
-    model, _ = tiny_model(LAYOUT, seq_len=SEQ)
-    exact, _ = tiny_model(LAYOUT, seq_len=SEQ, xmod_eval_capacity_factor=0.0)
+    model, _ = tiny_model(LAYOUT, seq_len=SEQ, xmod_eval_capacity_factor=1.0)
+    exact, _ = tiny_model(LAYOUT, seq_len=SEQ)  # the default: exact widths
     exact.load_state_dict(model.state_dict())
     for m in (model, exact):
         with torch.no_grad():

@@ -6,8 +6,8 @@ docstring for the list and what a CPU run can see). Training: zero in every mode
 the router BCE, full recompute, DTop-p's router, the token-choice bias carried across a pipeline
 boundary, TP2 with sequence parallelism on two ranks), and the forward step's NaN check reads nothing
 beyond megatron's own check of the loss. Evaluation: none under top-k; under the threshold rule one per
-forward pass (the sparse layers run at static widths and the decoder reads once whether one overflowed;
-docs/routing.md, "Host synchronisation").
+sparse layer at exact widths (the default), one per forward pass with --xmod-eval-capacity-factor > 0
+(docs/routing.md, "Host synchronisation").
 
 The permutation ops check their index values on CPU tensors only (megatron_xmod/xmod/permute/dispatch.py,
 ``XMOD_PERMUTE_CHECK``), a host read that a GPU run does not make: the tests turn the checks off, as
@@ -127,12 +127,12 @@ def test_the_counter_sees_the_permutation_checks(seeded, monkeypatch):
 
 
 def test_evaluation_syncs(seeded):
-    """top-k: none. threshold: one per forward pass, where the decoder reads the sparse layers' widest
-    selections (RoutingState.end_capacity_pass) and sizes the next pass's static widths; the first pass,
-    sized from L/K alone, overflows here (saturated routers select about half the tokens) and runs
-    again at exact widths, one read per sparse layer. With --xmod-eval-capacity-factor 0: one per
-    sparse layer, every pass."""
-    model = _routed(tiny_model(LAYOUT, seq_len=SEQ)[0])
+    """top-k: none. threshold with --xmod-eval-capacity-factor 1: one per forward pass, where the decoder
+    reads the sparse layers' widest selections (RoutingState.end_capacity_pass) and sizes the next pass's
+    static widths; the first pass, sized from L/K alone, overflows here (saturated routers select about
+    half the tokens) and runs again at exact widths, one read per sparse layer. With the default factor
+    0 (exact widths): one per sparse layer, every pass."""
+    model = _routed(tiny_model(LAYOUT, seq_len=SEQ, xmod_eval_capacity_factor=1.0)[0])
     state = sparse_layers(model)[0].routing_state
     topk = _eval_syncs(model, "topk")
     assert topk.count == 0, topk.summary()
@@ -141,7 +141,7 @@ def test_evaluation_syncs(seeded):
     threshold = _eval_syncs(model, "threshold")
     assert state.capacity_reruns == 1 and threshold.count == 1, threshold.summary()
     assert threshold.hits[0].site.endswith("in end_capacity_pass"), threshold.summary()
-    state.eval_capacity_factor = 0
+    state.eval_capacity_factor = 0  # the default
     exact = _eval_syncs(model, "threshold")
     assert exact.count == len(sparse_layers(model)) == 2, exact.summary()
     assert all(hit.site.startswith("megatron_xmod/xmod/routing.py") and hit.site.endswith("in capacity_selection")

@@ -72,11 +72,12 @@ class XModConfig(TransformerConfig):
     """Routing rule in eval mode when the model is built: threshold (deployable, causal) or topk (for
     comparison). The built model keeps it in its routing state (``routing_state.set_eval_routing``)."""
 
-    xmod_eval_capacity_factor: float = 1.0
-    """Threshold-rule evaluation at static shapes: a sparse layer batches each sequence's selection at
+    xmod_eval_capacity_factor: float = 0.0
+    """> 0: threshold-rule evaluation at static shapes: a sparse layer batches each sequence's selection at
     max(this x L/K, 1.25 x its widest selection in the previous pass) tokens, and the decoder reads once
-    per forward pass whether a sequence selected more (then the pass runs again at exact widths). 0: each
-    sparse layer reads its exact width from the device instead (one host sync per layer)."""
+    per forward pass whether a sequence selected more (then the pass runs again at exact widths); the
+    results equal exact widths up to the rounding of the padded shapes. 0 (default): each sparse layer
+    reads its exact width from the device (one host sync per layer), bit for bit layout-independent."""
 
     layer_layout: Optional[Layout] = field(default=None, init=False, repr=False)
 

@@ -104,7 +104,7 @@ class RoutingState:
     forward: the table then grows, before any capture).
     """
 
-    def __init__(self, eval_rule: str = "threshold", eval_capacity_factor: Optional[float] = 1.0):
+    def __init__(self, eval_rule: str = "threshold", eval_capacity_factor: Optional[float] = 0.0):
         self.eval_rule = check_eval_rule(eval_rule)
         # Threshold-rule evaluation at a static width (docs/routing.md, "Host synchronisation"): each
         # sparse layer batches its selection at eval_capacity_factor x L/K tokens a sequence, and the
@@ -467,7 +467,7 @@ def is_recorder(module: torch.nn.Module) -> bool:
 
 
 def attach_routing_state(model: torch.nn.Module, eval_rule: str = "threshold",
-                         eval_capacity_factor: Optional[float] = 1.0) -> RoutingState:
+                         eval_capacity_factor: Optional[float] = 0.0) -> RoutingState:
     """Give every recorder of the built model chunk ``model`` one shared :class:`RoutingState`
     (kept as ``model.routing_state``); idempotent."""
     state = getattr(model, "routing_state", None)
