@@ -75,12 +75,9 @@ def run_one(model: str, seq_length: int, seed: int, iterations: int, a, run_dir:
     _train(model, iterations, args, corpus_args, run_dir.parent)  # writes run_dir = parent / model
     result = read_run(run_dir)
     seconds = training_seconds((run_dir / "train.log").read_text())
-    validation = {int(i): float(v) for i, v in re.findall(
-        r"validation loss at iteration (\d+) (?:on validation set )?\| lm loss value: ([0-9.Ee+-]+)",
-        (run_dir / "train.log").read_text())}
     result.update(model=model, seq_length=seq_length, seed=seed, iterations=iterations,
                   train_seconds=seconds[max(seconds)] if seconds else None, wall_seconds=time.time() - started,
-                  time_curve=[(seconds[i], loss) for i, loss in sorted(validation.items()) if i in seconds])
+                  time_curve=[(seconds[i], loss) for i, loss in result["validation"] if i in seconds])
     record.write_text(json.dumps(result, indent=1))
     return result
 
@@ -276,11 +273,12 @@ def main(argv=None) -> int:
                 runs.append(run_one(m, L, seed, iterations[m], a, Path(a.runs) / f"L{L}" / f"seed{seed}" / m,
                                     corpus_args))
                 meta["load_after"] = loadavg()
-                md = write_results(summarise(runs, models, a.seq_lengths), runs, meta, out, tag)
+                summary = summarise(runs, models, a.seq_lengths)
+                md = write_results(summary, runs, meta, out, tag)
     print(md.read_text())
     print(f"[quality] {md}")
     if a.write_demo_record:
-        print(f"[quality] {write_demo_record(summarise(runs, models, a.seq_lengths), meta, a, md)}")
+        print(f"[quality] {write_demo_record(summary, meta, a, md)}")
     return 0
 
 

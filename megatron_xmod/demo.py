@@ -138,6 +138,7 @@ def read_run(run_dir: Path) -> dict:
         "training_flops": flops_at[last],
         **_final_evaluation((run_dir / "eval.log").read_text()),
         "curve": curve,
+        "validation": sorted(validation.items()),  # (iteration, loss) of the in-training validations
     }
 
 
@@ -210,7 +211,7 @@ SEED_SPREAD = Path(__file__).resolve().parent / "data" / "demo_seed_spread.json"
 
 def seed_spread_lines(args, record_path: Path = SEED_SPREAD) -> list[str]:
     """What the seed study (bench/quality.py) measured at the demo's settings: each model's spread over
-    seeds and which differences to Dense it resolves. Printed under the table, so that a difference in
+    seeds and which of its differences (to Dense, X-MoD to MoD) the spread resolves. Printed under the table, so that a difference in
     the last digits is not read as a ranking."""
     if not record_path.is_file():
         return ["[demo] no seed spread recorded; bench/quality.py measures it"]

@@ -88,7 +88,7 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "one per sparse layer: each sparse layer batches max(F x L/K, 1.25 x its widest selection last "
                             "time) tokens a sequence, and a pass that overflowed runs again at exact widths; results equal "
                             "exact widths up to the rounding of the padded shapes (~1e-5 of the loss). Default 0: exact "
-                            "widths, bit for bit the same in every parallel layout")
+                            "widths, one host read per sparse layer (parallel layouts agree to 1e-5)")
     group.add_argument("--xmod-muon-table5", action="store_true", help="the paper's Muon settings (Table 5)")
     group.add_argument("--xmod-paper-schedule", action="store_true", help="1%% warmup, cosine to 10%% of peak")
     group.add_argument("--xmod-no-topk-validation", action="store_true",

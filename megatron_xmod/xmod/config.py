@@ -77,7 +77,7 @@ class XModConfig(TransformerConfig):
     max(this x L/K, 1.25 x its widest selection in the previous pass) tokens, and the decoder reads once
     per forward pass whether a sequence selected more (then the pass runs again at exact widths); the
     results equal exact widths up to the rounding of the padded shapes. 0 (default): each sparse layer
-    reads its exact width from the device (one host sync per layer), bit for bit layout-independent."""
+    reads its exact width from the device (one host sync per layer); parallel layouts agree to 1e-5."""
 
     layer_layout: Optional[Layout] = field(default=None, init=False, repr=False)
 

@@ -340,15 +340,14 @@ class XModSparseLayer(TransformerLayer):
         bias hand-over always (but in a recompute replay); under top-k also the routed-set hand-over,
         the call's statistics and, in training without sequence parallelism, the router BCE (its
         per-sequence parts: sequence parallelism back-propagates each rank's share, _local_share)."""
+        fold_bce = self.training and self.routing.router_bce_coeff > 0 and not self.config.sequence_parallel
         if phase == "replay":  # recorded in the first pass; only the router loss is needed again
-            fold_bce = self.training and self.routing.router_bce_coeff > 0 and not self.config.sequence_parallel
             return dict(bce_coeff=self.routing.router_bce_coeff if fold_bce else 0.0)
         bias_out, selected_out = state.bias_buffers(shape, device)
         if rule != "topk":
             return dict(bias_out=bias_out)
         # Paused statistics (state.recording False) record only the micro-batch loss: the layer does that.
-        fold_bce = (self.training and self.routing.router_bce_coeff > 0 and not self.config.sequence_parallel
-                    and state.recording)
+        fold_bce = fold_bce and state.recording
         routed = topk_count(shape[0], self.routing.sparsity_k) * shape[1]
         statistics = state.step_statistics(self.layer_number, "" if self.training else "eval_", shape, routed,
                                            previous_selected is not None, fold_bce, device)
@@ -413,9 +412,10 @@ class XModSparseLayer(TransformerLayer):
         if self.config.sequence_parallel:
             return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid, gate,
                                                          document_mask)
-        # A threshold batch (valid given) is not sorted past its real tokens: plain-torch permutation.
-        backend = None if valid is None else "torch"
-        routed = gather_tokens(hidden_states, indices, backend=backend, check=False if valid is not None else None)
+        # A threshold batch (valid given) is not sorted past its real tokens: plain-torch permutation, and
+        # no check of the sorted order the other backends need.
+        backend, check = (None, None) if valid is None else ("torch", False)
+        routed = gather_tokens(hidden_states, indices, backend=backend, check=check)
         attention_mask = _routed_document_mask(document_mask, indices)
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
         if gate is None:
@@ -423,8 +423,7 @@ class XModSparseLayer(TransformerLayer):
         r = gate.to(hidden_states.dtype)  # [k, b]
         keep = None if valid is None else valid.to(r.dtype)  # None: no padding, no multiply
         delta, gate = gated_residual(self.routing.family, attention, mlp, r, self._gate_scale(), keep)
-        return scatter_gated(hidden_states, delta, gate, indices, backend=backend,
-                             check=False if valid is not None else None)
+        return scatter_gated(hidden_states, delta, gate, indices, backend=backend, check=check)
 
     def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None,
                                          document_mask=None):

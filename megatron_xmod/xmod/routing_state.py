@@ -489,7 +489,7 @@ def install_capacity_check(model: torch.nn.Module) -> bool:
     exact widths and returns that output. The rerun calls ``forward`` itself with the arguments the
     first run got (after the decoder's pre-hooks, such as the pipeline carry's input split), and the
     routing state is restored first, so the result is that of an exact pass. False (nothing installed)
-    for a model without a decoder or without recorders."""
+    for a model without a decoder or without a routing state (attach_routing_state)."""
     state = getattr(model, "routing_state", None)
     decoder = getattr(model, "decoder", None)
     if not isinstance(state, RoutingState) or decoder is None:
