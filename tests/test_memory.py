@@ -34,9 +34,9 @@ def _sharpen(model):
             layer.router.weight.mul_(20.0)
 
 
-@pytest.mark.parametrize("family", ["xmod", "mod"])
-def test_chained_router_gradients_equal_plain_linear_bit_for_bit(seeded, monkeypatch, family):
-    model, _ = tiny_model(LAYOUT, seq_len=SEQ, xmod_routing_family=family)
+@pytest.mark.parametrize("family,layout", [("xmod", LAYOUT), ("mod", LAYOUT), ("xmod", "S4*8 + D")])
+def test_chained_router_gradients_equal_plain_linear_bit_for_bit(seeded, monkeypatch, family, layout):
+    model, _ = tiny_model(layout, seq_len=SEQ, xmod_routing_family=family)
     _sharpen(model)
     model.train()
     loss, grads = _step(model)
@@ -46,7 +46,7 @@ def test_chained_router_gradients_equal_plain_linear_bit_for_bit(seeded, monkeyp
     assert torch.equal(loss, reference_loss)
     assert grads.keys() == reference_grads.keys()
     routers = [name for name in grads if "router.weight" in name]
-    assert len(routers) == 6
+    assert len(routers) == (6 if layout == LAYOUT else 8)
     for name, grad in grads.items():
         assert torch.equal(grad, reference_grads[name]), name
     assert all(grads[name].abs().sum() > 0 for name in routers)
@@ -94,6 +94,58 @@ def test_one_full_length_router_input_per_block(seeded):
         patch.setattr(XModSparseLayer, "_router_logits", _plain_router)
         saved_before, _ = _saved_storages(model, block)
     assert len(full_length(saved_before)) == 3
+
+
+def test_chain_backward_copies_rows_linearly_in_block_length(seeded):
+    """Backward rebuilds the N router inputs of a block walking one buffer back a layer at a time: 2N - 3
+    row copies for N = 8 (N - 1 to build the last layer's input, one per earlier layer to step back),
+    where rebuilding each layer's input from the block base took N(N - 1)/2 = 28."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RowCopies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.index_copy_.default:
+                RowCopies.count += 1
+            return func(*args, **(kwargs or {}))
+
+    model, _ = tiny_model("S4*8", seq_len=SEQ)
+    _sharpen(model)
+    model.train()
+    tokens = torch.randint(0, 256, (2, SEQ))
+    loss = model(tokens, torch.arange(SEQ).expand_as(tokens), None, labels=tokens).float().mean()
+    with RowCopies():
+        loss.backward()
+    assert RowCopies.count == 2 * 8 - 3
+    assert all(layer.router.weight.grad.abs().sum() > 0 for layer in sparse_layers(model))
+
+
+def test_chain_cursor_rebuilds_any_layer_in_any_order():
+    """ChainCursor against rebuilding from the base (clone, then every earlier layer's rows in order), with
+    rows that later layers overwrite again, for layers asked in an arbitrary order."""
+    from megatron_xmod.xmod.routing_state import ChainCursor, ChainLink
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(16, 2, 4, generator=g)
+    links, x = [], base.clone()
+    for _ in range(6):  # each "layer" overwrites 5 random flat rows of its input
+        index = torch.randperm(32, generator=g)[:5]
+        flat = x.view(-1, 4)
+        before = flat.index_select(0, index)
+        flat.index_copy_(0, index, torch.randn(5, 4, generator=g))
+        links.append(ChainLink(index, flat.index_select(0, index), before))
+
+    def reference(layer):
+        y = base.clone()
+        for link in links[:layer]:
+            y.view(-1, 4).index_copy_(0, link.index, link.after)
+        return y
+
+    cursor = ChainCursor()
+    for layer in (6, 5, 2, 4, 0, 3, 6, 1):
+        assert torch.equal(cursor.input(base, links[:layer]), reference(layer)), layer
+    assert cursor.input(base, []) is base
 
 
 # ------------------------------------------------------------------ the estimate's per-layer formulas

@@ -260,8 +260,8 @@ class XModSparseLayer(TransformerLayer):
 
         indices = decision.topk_indices
         if indices is not None:
-            output = self._routed_update(hidden_states, indices, decision.scores, rotary_pos_emb,
-                                         gate=gate, document_mask=attention_mask)
+            output, routed = self._routed_update(hidden_states, indices, decision.scores, rotary_pos_emb,
+                                                 gate=gate, document_mask=attention_mask)
         else:
             # The threshold rule (evaluation) selects a different number of tokens per sequence: batch them
             # at the pass's static capacity (the decoder checks for overflow once, RoutingState.eval_capacity)
@@ -269,7 +269,7 @@ class XModSparseLayer(TransformerLayer):
             capacity = state.eval_capacity(self.layer_number, seq_len, routing.sparsity_k, logits.device)
             indices, valid, width = capacity_selection(decision.selected, capacity)
             state.note_width(self.layer_number, width)
-            output = hidden_states if indices is None else self._routed_update(
+            output, routed = (hidden_states, None) if indices is None else self._routed_update(
                 hidden_states, indices, decision.scores, rotary_pos_emb, valid, document_mask=attention_mask)
 
         if self.training and routing.router_bce_coeff > 0:
@@ -292,7 +292,12 @@ class XModSparseLayer(TransformerLayer):
         output = make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
         if chain is not None:  # the next routed layer of the block rebuilds its router input from these rows
             flat = step.flat_rows if decision.topk_indices is not None else None  # the routing step's, under top-k
-            state.router_inputs.put(self.layer_number, chain, output, self._written_rows(indices, hidden_states.shape[0], flat))
+            written = self._written_rows(indices, hidden_states.shape[0], flat)
+            # The written rows' values before this layer (backward walks the chain back with them): the
+            # gathered routed input itself where it lists exactly those rows, else read from the input.
+            before = (routed.detach().reshape(-1, routed.shape[-1]) if routed is not None else
+                      hidden_states.detach().reshape(-1, hidden_states.shape[-1]).index_select(0, written))
+            state.router_inputs.put(self.layer_number, chain, output, written, before)
         return output, context
 
     # --- megatron's CUDA graphs (--cuda-graph-impl local | transformer_engine) -----------------------
@@ -406,12 +411,13 @@ class XModSparseLayer(TransformerLayer):
 
     def _routed_update(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None,
                        document_mask=None):
-        """x with the routed tokens ``indices`` updated; ``gate``: their sigmoid(score), when the routing
-        step computed it already (top-k training); ``document_mask``: megatron's [b or 1, 1, s, s]
-        attention mask of the whole sequence (True = masked), applied among the routed tokens."""
+        """(x with the routed tokens ``indices`` updated, the gathered routed input [k, b, h] or None under
+        sequence parallelism); ``gate``: their sigmoid(score), when the routing step computed it already
+        (top-k training); ``document_mask``: megatron's [b or 1, 1, s, s] attention mask of the whole
+        sequence (True = masked), applied among the routed tokens."""
         if self.config.sequence_parallel:
             return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid, gate,
-                                                         document_mask)
+                                                         document_mask), None
         # A threshold batch (valid given) is not sorted past its real tokens: plain-torch permutation, and
         # no check of the sorted order the other backends need.
         backend, check = (None, None) if valid is None else ("torch", False)
@@ -423,7 +429,7 @@ class XModSparseLayer(TransformerLayer):
         r = gate.to(hidden_states.dtype)  # [k, b]
         keep = None if valid is None else valid.to(r.dtype)  # None: no padding, no multiply
         delta, gate = gated_residual(self.routing.family, attention, mlp, r, self._gate_scale(), keep)
-        return scatter_gated(hidden_states, delta, gate, indices, backend=backend, check=check)
+        return scatter_gated(hidden_states, delta, gate, indices, backend=backend, check=check), routed
 
     def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None,
                                          document_mask=None):

@@ -28,9 +28,11 @@ row passes through bit-identical, so
 
 where x_base is the input of the chain's first layer. :class:`RouterLogits` saves x_base (shared by
 the whole chain: one tensor, counted once) and, per earlier layer, its written rows [k*b, h] with
-their flat indices; backward rebuilds x_l by copying rows (no arithmetic, so bit-exact) and computes
-the router gradients with the same matmuls as ``nn.Linear``'s backward. Memory per routed layer:
-O(L/K), plus one O(L) base per block.
+their flat indices and their values before it wrote them (its gathered input rows, saved by the layer
+anyway). Backward rebuilds x_l by copying rows (no arithmetic, so bit-exact), walking one buffer
+back through the chain one layer at a time (:class:`ChainCursor`: O(L/K) copies per layer, not O(l)
+row sets), and computes the router gradients with the same matmuls as ``nn.Linear``'s backward.
+Memory per routed layer: O(L/K), plus one O(L) base per block and one O(L) buffer while its backward runs.
 
 The chain is handed from layer to layer by :class:`RouterInputChain` (kept in the model chunk's
 ``RoutingState``), which holds weak references only (autograd's saved tensors keep the rows alive;
@@ -652,88 +654,119 @@ def _fingerprint(x: torch.Tensor) -> tuple:
     return (x.data_ptr(), tuple(x.shape), x.stride(), x._version, x.device)
 
 
+class ChainLink(NamedTuple):
+    """What one routed layer of a chain changed in its input: the flat rows ``index`` [k*b] of the [s*b, h]
+    view, their values after the layer (``after``, read from the next layer's input) and before it
+    (``before``, the layer's own gathered input rows)."""
+    index: torch.Tensor
+    after: torch.Tensor
+    before: torch.Tensor
+
+
 class RouterInputChain:
     """Hands the router-input chain of a block from one routed layer to the next (weak references only)."""
 
     def __init__(self):
         self._layer_number: Optional[int] = None
         self._base: Optional[weakref.ref] = None
-        self._links: list[tuple[torch.Tensor, weakref.ref]] = []  # (flat row indices, weakref to rows)
+        self._links: list[tuple[weakref.ref, weakref.ref, weakref.ref]] = []  # weak ChainLinks
+        self._cursor: Optional[ChainCursor] = None
         self._output: Optional[weakref.ref] = None
         self._output_fingerprint: Optional[tuple] = None
         self._written: Optional[torch.Tensor] = None  # flat rows the previous layer wrote
+        self._before: Optional[torch.Tensor] = None  # their values before it wrote them
 
     def take(self, layer_number: int, x: torch.Tensor):
-        """(base, [(flat indices, rows), ...]) from which ``x`` is rebuilt, or None: ``x`` starts a chain."""
+        """(base, [ChainLink, ...], cursor) from which ``x`` is rebuilt, or None: ``x`` starts a chain."""
         if self._layer_number != layer_number - 1 or self._output is None:
             return None
         output, base = self._output(), self._base()
         if output is None or base is None or _fingerprint(x) != self._output_fingerprint:
             return None
         links = []
-        for index, rows in self._links:
-            rows = rows()
-            if rows is None:
+        for refs in self._links:
+            link = ChainLink(*(ref() for ref in refs))
+            if any(t is None for t in link):
                 return None
-            links.append((index, rows))
+            links.append(link)
         # The rows the previous layer wrote, read from its output (this layer's input): exact.
         written = self._written
-        links.append((written, x.detach().reshape(-1, x.shape[-1]).index_select(0, written)))
-        return base, links
+        links.append(ChainLink(written, x.detach().reshape(-1, x.shape[-1]).index_select(0, written), self._before))
+        return base, links, self._cursor
 
-    def put(self, layer_number: int, chain, output: torch.Tensor, written: torch.Tensor) -> None:
+    def put(self, layer_number: int, chain, output: torch.Tensor, written: torch.Tensor, before: torch.Tensor) -> None:
         """After routed layer ``layer_number`` (its chain from :func:`router_logits`) wrote the flat
-        rows ``written`` of ``output``."""
-        base, links = chain
+        rows ``written`` of ``output``; ``before``: those rows of its input ([k*b, h], in ``written``'s order)."""
+        base, links, cursor = chain
         self._layer_number = layer_number
         self._base = weakref.ref(base)
-        self._links = [(index, weakref.ref(rows)) for index, rows in links]
+        self._links = [tuple(weakref.ref(t) for t in link) for link in links]
+        self._cursor = cursor
         self._output = weakref.ref(output)
         self._output_fingerprint = _fingerprint(output)
-        self._written = written
+        self._written, self._before = written, before
 
     def clear(self) -> None:
         self.__init__()
 
 
-def rebuild_input(base: torch.Tensor, links) -> torch.Tensor:
-    """x_l: the chain's base with every earlier layer's written rows copied in, in layer order."""
-    if not links:
-        return base
-    x = base.clone()
-    flat = x.view(-1, x.shape[-1])
-    for index, rows in links:
-        flat.index_copy_(0, index, rows)
-    return x
+class ChainCursor:
+    """The router inputs of one chain rebuilt in backward: one buffer holding x_p (the base with the first
+    ``p`` links applied), moved to the layer asked for by copying rows, forward (``after``) or back
+    (``before``). Backward visits a chain's layers last to first, so each layer costs one row copy (the
+    whole chain O(N) copies, where rebuilding every layer from the base cost O(N^2)); any other order
+    stays exact, at the cost of the distance moved. Copies only, no arithmetic: bit-exact."""
+
+    def __init__(self):
+        self._buffer: Optional[torch.Tensor] = None
+        self._applied: list[ChainLink] = []  # the links in the buffer, in order (dropped as it steps back)
+
+    def input(self, base: torch.Tensor, links: list[ChainLink]) -> torch.Tensor:
+        """x_l for a layer whose chain is ``links`` (l = len(links)); valid until the next call."""
+        target = len(links)
+        if target == 0:  # the chain's first layer: its input is the base itself
+            self._buffer, self._applied = None, []
+            return base
+        if self._buffer is None:
+            self._buffer = base.clone()
+        flat = self._buffer.view(-1, self._buffer.shape[-1])
+        for link in links[len(self._applied):]:
+            flat.index_copy_(0, link.index, link.after)
+            self._applied.append(link)
+        while len(self._applied) > target:
+            link = self._applied.pop()
+            flat.index_copy_(0, link.index, link.before)
+        return self._buffer
 
 
 class RouterLogits(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` of the d -> 1 router, saving the chain (base + rows) instead of x.
 
     Inputs: x [s, b, h], weight [1, h], bias [1] (or None), the chain's base (x.detach() itself when x
-    starts the chain), then the chain's (flat indices, rows) pairs, flattened.
+    starts the chain), its :class:`ChainCursor`, then the chain's links, flattened.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, base, *links):
-        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+    def forward(ctx, x, weight, bias, base, cursor, *links):
+        ctx.x_shape, ctx.has_bias, ctx.cursor = x.shape, bias is not None, cursor
         ctx.save_for_backward(weight, base, *links)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         weight, base, *flat_links = ctx.saved_tensors
-        links = list(zip(flat_links[0::2], flat_links[1::2]))
+        width = len(ChainLink._fields)
+        links = [ChainLink(*flat_links[i:i + width]) for i in range(0, len(flat_links), width)]
         grad = grad_output.reshape(-1, grad_output.shape[-1])  # [s*b, 1]
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = grad.mm(weight).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # as addmm's backward computes it: (x^T g)^T
-            x = rebuild_input(base, links)
+            x = ctx.cursor.input(base, links)
             grad_weight = x.reshape(-1, x.shape[-1]).t().mm(grad).t()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
-        return (grad_x, grad_weight, grad_bias, None) + (None,) * len(flat_links)
+        return (grad_x, grad_weight, grad_bias, None, None) + (None,) * len(flat_links)
 
 
 def router_logits(router: torch.nn.Linear, x: torch.Tensor, chain_handover: Optional[RouterInputChain], layer_number: int):
@@ -743,10 +776,10 @@ def router_logits(router: torch.nn.Linear, x: torch.Tensor, chain_handover: Opti
         return router(x), None
     chain = chain_handover.take(layer_number, x)
     if chain is None:  # x starts a chain: it is its own base (the same object that the handover refers to)
-        chain = (x.detach(), [])
-    base, links = chain
-    flat = [t for pair in links for t in pair]
-    return RouterLogits.apply(x, router.weight, router.bias, base, *flat), chain
+        chain = (x.detach(), [], ChainCursor())
+    base, links, cursor = chain
+    flat = [t for link in links for t in link]
+    return RouterLogits.apply(x, router.weight, router.bias, base, cursor, *flat), chain
 
 
 def flat_rows(indices: torch.Tensor, batch: int) -> torch.Tensor:
