@@ -74,6 +74,11 @@ def check_document_masks(args, routed: bool) -> None:
                          "but --no-create-attention-mask-in-dataloader switches that off (megatron would train with a "
                          "plain causal mask, silently); drop --no-create-attention-mask-in-dataloader (--xmod-cpu "
                          "leaves it out when --reset-attention-mask is given)")
+    if routed and args.context_parallel_size > 1:
+        raise ValueError("reset_attention_mask: routed layers under context parallelism attend causally among the "
+                         "routed tokens of the whole sequence; document masks are not applied across CP ranks (dense "
+                         "models are: the mask's key columns follow the gathered keys); drop --reset-attention-mask "
+                         "or use --context-parallel-size 1")
     if routed and args.transformer_impl != "local":
         raise ValueError(f"reset_attention_mask: routed layers apply the document mask with the SDPA core attention "
                          f"of --transformer-impl local only (--transformer-impl {args.transformer_impl}'s causal "
