@@ -97,4 +97,4 @@ def test_cp2_pp2_boundary_inside_sparse_block_matches_cp1(reference):
     # stage 2 starts at layer 3, the second sparse layer of the first block (the top-k comparison pass of
     # validation runs without pipelining only: training/step.py)
     _assert_same(reference, 4, "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                 "--pipeline-model-parallel-layout", "Et*2|t*5L")
+                 "--pipeline-model-parallel-layout", "Et*2|t*6L")
