@@ -17,7 +17,16 @@ import sys
 
 import pytest
 import torch
-from entry_point_helpers import common_flags, free_port, torchrun, train_losses, validation_losses, write_byte_data
+from entry_point_helpers import (
+    common_flags,
+    common_start,
+    free_port,
+    routed_run,
+    torchrun,
+    train_losses,
+    validation_losses,
+    write_byte_data,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -58,19 +67,13 @@ ITERS = 5
 
 
 def _run(nproc, data, *extra):
-    flags = common_flags(data, ITERS, "--eval-interval", "3", "--no-load-rng", *extra)
-    result = torchrun(nproc, ["-m", "megatron_xmod.pretrain"], [*ROUTED, *flags])
-    return train_losses(result.stdout), validation_losses(result.stdout)
+    return routed_run(nproc, data, ROUTED, ITERS, *extra)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The common start (CP1 saves iteration 1), and CP1's losses from there."""
-    root = tmp_path_factory.mktemp("context_parallel")
-    data = write_byte_data(str(root / "bytes"))
-    checkpoint = root / "ckpt"
-    _run(1, data, "--save", str(checkpoint), "--save-interval", "1", "--exit-interval", "1")
-    return data, checkpoint, _run(1, data, "--load", str(checkpoint))
+    return common_start(tmp_path_factory.mktemp("context_parallel"), ROUTED, ITERS)
 
 
 def _assert_same(reference, nproc, *flags):
@@ -98,3 +101,20 @@ def test_cp2_pp2_boundary_inside_sparse_block_matches_cp1(reference):
     # validation runs without pipelining only: training/step.py)
     _assert_same(reference, 4, "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                  "--pipeline-model-parallel-layout", "Et*2|t*6L")
+
+
+def test_dense_document_masks_under_cp2_match_cp1(tmp_path):
+    """A dense model with --reset-attention-mask: megatron's per-document mask, split over the CP ranks by
+    query rows, with its key columns put into the SDPA core attention's gathered order (training/step.py).
+    The 400-byte documents of the byte corpus make most 64-token sequences cross a document boundary."""
+    data = write_byte_data(str(tmp_path / "bytes"))
+    flags = [flag for flag in common_flags(data, 3, "--num-layers", "2", "--eval-interval", "3", "--reset-attention-mask")
+             if flag != "--no-create-attention-mask-in-dataloader"]
+    runs = []
+    for nproc, extra in ((1, []), (2, ["--context-parallel-size", "2"])):
+        result = torchrun(nproc, ["-m", "megatron_xmod.pretrain"], [*flags, *extra])
+        runs.append((train_losses(result.stdout), validation_losses(result.stdout)))
+    (train_ref, valid_ref), (train, valid) = runs
+    assert sorted(train) == [1, 2, 3] and valid.keys() == valid_ref.keys() == {3}
+    assert train == pytest.approx(train_ref, rel=1e-5)
+    assert valid[3]["lm loss"] == pytest.approx(valid_ref[3]["lm loss"], rel=1e-5)
