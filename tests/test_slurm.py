@@ -25,7 +25,7 @@ TABLE6_MODELS = ("dense", "mod", "xmod-a4k8", "xmod-a3k16", "moe-8x64", "moe-8x1
 
 def _launch(script: str | Path, timeout: int = 300, **env) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # not inside a job
-    for knob in ("NODES", "NPROC", "TP", "PP", "SEQ", "GBS", "BACKBONE", "MODEL", "FLOPS", "DATA", "ITERS",
+    for knob in ("NODES", "NPROC", "TP", "PP", "CP", "SEQ", "GBS", "BACKBONE", "MODEL", "FLOPS", "DATA", "ITERS",
                  "EXTRA_ARGS", "SMOKE", "DRY_RUN", "SPLIT"):
         clean.pop(knob, None)
     clean.update({k: str(v) for k, v in env.items()})
