@@ -1,5 +1,5 @@
 """torchrun worker for test_context_parallel.py (not collected: no test_ prefix), 2 gloo processes.
-Usage: <family> <steps>
+Usage: <family> <steps> [full-recompute]
 
 Trains the same tiny routed model twice from the same weights on the same batches through megatron's
 DistributedDataParallel and finalize_model_grads: first at CP1 (the two processes are data-parallel
@@ -25,6 +25,9 @@ from megatron_xmod.cpu_shim import cpu_patches  # noqa: E402
 SEQ, BATCH, LAYOUT = 32, 2, "D + (S4 + S32 + S4 + D)"
 
 
+RECOMPUTE = {}  # config fields of a run under megatron's full recompute (argument "full-recompute")
+
+
 def _build(family, cp, full_state=None):
     from helpers import TINY
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -32,7 +35,7 @@ def _build(family, cp, full_state=None):
     from megatron_xmod.model import build_gpt_model, config_from_backbone
 
     config = config_from_backbone(TINY, LAYOUT, use_cpu_initialization=True, xmod_routing_family=family,
-                                  context_parallel_size=cp)
+                                  context_parallel_size=cp, **RECOMPUTE)
     model = build_gpt_model(config, TINY.vocab_size, SEQ, rotary_base=TINY.rotary_base)
     if full_state is not None:
         model.load_state_dict(full_state, strict=False)
@@ -144,4 +147,6 @@ def main(family: str, steps: int) -> None:
 
 if __name__ == "__main__":
     with cpu_patches(training=False):  # megatron-core on CPU, as tests/conftest.py
+        if sys.argv[3:] == ["full-recompute"]:  # each layer checkpointed: its CP collectives run again in backward
+            RECOMPUTE.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         main(sys.argv[1], int(sys.argv[2]))

@@ -5,6 +5,7 @@ megatron's DistributedDataParallel; the per-token losses of the first step, its 
 BCE, every sparse layer's routed set at every step (top-k and the threshold rule), the losses of 4 SGD
 steps and the evaluation loss agree; a CP2 training step makes no host sync. The layout's S32 layer
 routes one token a sequence, so one CP rank holds none of a sequence's routed tokens in every layer call.
+X-MoD also under megatron's full recompute (the token-choice bias replayed, the CP collectives run again).
 
 Entry point: CP2 reproduces CP1's training and validation losses (threshold and top-k rules) from a
 common checkpoint, with dense, S4 and S64 (one routed token a sequence) layers; and CP2 x TP2 with
@@ -34,9 +35,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist_worker_cp.py")
 STEPS = 4
 
 
-def _worker(family):
+def _worker(family, *options):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               WORKER, family, str(STEPS)]
+               WORKER, family, str(STEPS), *options]
     root = os.path.dirname(os.path.dirname(WORKER))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root, os.path.dirname(WORKER)]))
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=root)
@@ -45,9 +46,10 @@ def _worker(family):
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("family", ["xmod", "mod"])
-def test_routed_layers_under_cp2_match_cp1(family):
-    result = _worker(family)
+@pytest.mark.parametrize("family, options", [("xmod", []), ("mod", []), ("xmod", ["full-recompute"])],
+                         ids=["xmod", "mod", "xmod-full-recompute"])
+def test_routed_layers_under_cp2_match_cp1(family, options):
+    result = _worker(family, *options)
     cp1, cp2 = result["cp1"], result["cp2"]
     torch.testing.assert_close(torch.tensor(cp2["first_step_tokens"]), torch.tensor(cp1["first_step_tokens"]),
                                rtol=1e-5, atol=1e-6)
