@@ -590,9 +590,10 @@ class XModSparseLayer(TransformerLayer):
         ([L/C, b, h]; under sequence parallelism its 1/T shard of them) and ``indices`` [k, b] are positions
         in the whole sequence, the same on every CP rank (``valid``: False for a threshold batch's padding).
         Each rank runs attention and MLP on the routed tokens it holds, a batch of static width; the core
-        attention all-gathers their keys and values over the CP group (only routed tokens travel: 1/K of a
-        dense layer's) and the mask built here keeps every routed token causal among the routed tokens by
-        real position. The gated update lands on the rank's own rows: nothing else is sent back."""
+        attention all-gathers their keys and values over the CP group (only that batch travels, not the
+        sequence: C x min(L/K, L/C) rows against a dense layer's L, bench/cp.py) and the mask built here
+        keeps every routed token causal among the routed tokens by real position. The gated update lands on
+        the rank's own rows: nothing else is sent back."""
         local, real, mask = self._context_parallel_batch(indices, valid, hidden_states.shape[0])
         positions = load_balanced_positions(scores.shape[0], self._cp_size(), str(scores.device))
         own = positions[self.cp_group.rank()].gather(0, local.reshape(-1)).view_as(local)  # [w, b] positions
