@@ -143,6 +143,20 @@ def test_dry_run_fails_naming_gbs_when_the_batch_does_not_divide():
 
 
 @pytest.mark.slow
+def test_dry_run_with_context_parallelism_validates_cp_and_the_sequence_split():
+    """CP=2: replicas of TP 8 x CP 2 (data-parallel 4), the memory estimate at L/CP; a SEQ that does not
+    split into 2 x CP x TP (sequence parallelism) parts is refused before megatron, naming the knob."""
+    proc = _launch(SLURM / "xmod_1p65b.sh", DRY_RUN=1, CP=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--context-parallel-size 2" in proc.stdout and "CP 2, 80 sequences per step" in proc.stdout
+    assert "[dry-run] OK: world size 64 = data-parallel 4 x TP 8 x PP 1 x CP 2" in proc.stdout
+    proc = _launch(SLURM / "xmod_1p65b.sh", DRY_RUN=1, CP=2, SEQ=32752)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "seq_length: context parallelism splits a sequence into 2 x CP 2 x TP 8 (sequence parallelism) = 32" \
+        in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
 def test_dry_run_with_a_small_corpus_names_the_empty_split(tmp_path):
     prefix = _write_corpus(tmp_path / "small", 10)
     env = dict(DRY_RUN=1, BACKBONE="165m", MODEL="dense", NPROC=1, SEQ=1024, GBS=8, ITERS=10, DATA=prefix)
