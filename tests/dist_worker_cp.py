@@ -8,7 +8,8 @@ chunks of every sequence, split by megatron's get_batch_on_this_cp_rank layout).
 routes k = L/32 = 1 token a sequence, so in every sequence one CP rank holds none of its routed tokens.
 Rank 0 prints one JSON line: per run the losses, the per-token losses of the first step (the model's
 output, in sequence order), the routed sets of every sparse layer at every step (training top-k, then
-evaluation threshold), the threshold-rule eval loss, the router BCE of the first step; the largest
+evaluation threshold), the routing statistics (selected fraction, coverage, adjacent Jaccard, router
+BCE, non-finite logits; training and evaluation), the threshold-rule eval loss, the router BCE of the first step; the largest
 relative difference of any parameter's first-step gradient (floored at 1e-6) between the runs; and the host syncs of a
 CP2 training step's forward and backward (tests/sync_counter.py).
 """
@@ -77,7 +78,7 @@ def _train(ddp, model, steps, cp, count_syncs=False):
     from sync_counter import SyncCounter
 
     from megatron_xmod.model import sparse_layers
-    from megatron_xmod.xmod.routing_state import take_microbatch_loss
+    from megatron_xmod.xmod.routing_state import report, take_microbatch_loss
 
     routed = []
     state = sparse_layers(model)[0].routing_state
@@ -106,10 +107,12 @@ def _train(ddp, model, steps, cp, count_syncs=False):
             for p in model.parameters():
                 p -= 0.5 * p.main_grad
         out["losses"].append(_whole(per_token.detach(), cp).mean().item())
+    out["statistics"] = report(model)  # this rank's routing statistics of the training steps (every CP rank routes all)
     model.eval()
     with torch.no_grad():  # evaluation: the threshold rule
         tokens = torch.randint(0, 256, (BATCH, SEQ), generator=g)[:, own]
         out["eval_loss"] = _whole(model(tokens, own.expand_as(tokens), None, labels=tokens).float(), cp).mean().item()
+    out["eval_statistics"] = report(model)
     out["routed"] = [hashlib.sha1(selected.numpy().tobytes()).hexdigest()[:12] for selected in routed]
     return out, grads
 

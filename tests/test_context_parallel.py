@@ -2,8 +2,8 @@
 
 Unit level (worker: tests/dist_worker_cp.py): the same weights and batches at CP1 and CP2 through
 megatron's DistributedDataParallel; the per-token losses of the first step, its gradients, the router
-BCE, every sparse layer's routed set at every step (top-k and the threshold rule), the losses of 4 SGD
-steps and the evaluation loss agree; a CP2 training step makes no host sync. The layout's S32 layer
+BCE, every sparse layer's routed set at every step (top-k and the threshold rule), the routing
+statistics, the losses of 4 SGD steps and the evaluation loss agree; a CP2 training step makes no host sync. The layout's S32 layer
 routes one token a sequence, so one CP rank holds none of a sequence's routed tokens in every layer call.
 X-MoD also under megatron's full recompute (the token-choice bias replayed, the CP collectives run again).
 
@@ -57,6 +57,10 @@ def test_routed_layers_under_cp2_match_cp1(family, options):
     assert cp2["first_step_router_bce"] == pytest.approx(cp1["first_step_router_bce"], rel=1e-6)
     calls = STEPS * (2 if options else 1) + 1  # a recomputed layer routes again in its replay; + evaluation
     assert cp2["routed"] == cp1["routed"] and len(cp1["routed"]) == 3 * calls
+    for name in ("statistics", "eval_statistics"):
+        assert cp2[name].keys() == cp1[name].keys() and "coverage" in cp1["statistics"], (cp1[name], cp2[name])
+        assert cp2[name] == pytest.approx(cp1[name], rel=1e-5, abs=1e-7)
+    assert "eval_coverage" in cp1["eval_statistics"] and "adjacent_jaccard" in cp1["statistics"]
     assert cp2["losses"] == pytest.approx(cp1["losses"], rel=1e-5)
     assert cp2["eval_loss"] == pytest.approx(cp1["eval_loss"], rel=1e-5)
     assert cp2["syncs"] == [], cp2["syncs"]
