@@ -28,7 +28,9 @@ class _CudaDeviceToCpu(TorchFunctionMode):
 
     pipeline_parallel/schedules.py:749/1121/2292 ``torch.zeros([], device="cuda")``,
     training/initialize.py JIT warm-up tensors, ``tensor.cuda()`` calls in checkpointing, and
-    ``tensor.type() == "torch.cuda.FloatTensor"`` checks in the optimizer and DDP buffers.
+    ``tensor.type() == "torch.cuda.FloatTensor"`` checks in the optimizer and DDP buffers; and
+    ``pin_memory=True`` (pinning needs a CUDA device): models/common/embeddings/rope_utils.py:62
+    ``get_pos_emb_on_this_cp_rank``, the RoPE slice of each context-parallel rank.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -36,6 +38,8 @@ class _CudaDeviceToCpu(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and (str(device).startswith("cuda") or isinstance(device, int)):
             kwargs = dict(kwargs, device="cpu")
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

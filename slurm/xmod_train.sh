@@ -14,6 +14,8 @@
 #   NODES    nodes (SLURM_JOB_NUM_NODES under sbatch; else 8 for 1.65b, 1 otherwise)
 #   NPROC    processes (GPUs) per node (8)        TP  tensor parallel (8 for 1.65b, 1 = DDP otherwise)
 #   PP       pipeline parallel (1; > 1 balances stages by cost)  SEQ sequence length (32768)
+#   CP       context parallel (1): each sequence split over CP GPUs (megatron's load-balanced layout; SEQ a
+#            multiple of 2 x CP, x TP with sequence parallelism); the GPUs of a replica are TP x PP x CP
 #   GBS      sequences per step (80)              MBS micro-batch size (1)
 #   BACKBONE 165m|298m|556m|936m|1.65b (1.65b)    MODEL dense|mod|xmod-a4k8|xmod-a3k16|moe-8x64|moe-8x128|<layout>
 #   FLOPS    training compute C (2.5e20); ITERS overrides the iterations derived from it
@@ -68,7 +70,7 @@ DRY_RUN="${DRY_RUN:-0}"
 
 if [ "$SMOKE" = 1 ]; then
   # A tiny X-MoD (the demo backbone) on the embedded corpus (SentencePiece 8k), CPU, gloo, TP 2.
-  NODES=1; NPROC="${NPROC:-2}"; TP="${TP:-2}"; PP="${PP:-1}"; SEQ="${SEQ:-128}"; MBS="${MBS:-2}"; GBS="${GBS:-4}"
+  NODES=1; NPROC="${NPROC:-2}"; TP="${TP:-2}"; PP="${PP:-1}"; CP="${CP:-1}"; SEQ="${SEQ:-128}"; MBS="${MBS:-2}"; GBS="${GBS:-4}"
   ITERS="${ITERS:-4}"; EVAL_INTERVAL="${EVAL_INTERVAL:-2}"; EVAL_ITERS="${EVAL_ITERS:-1}"
   SAVE_INTERVAL="${SAVE_INTERVAL:-$ITERS}"; LOG_INTERVAL="${LOG_INTERVAL:-1}"
   RUN_DIR="${SMOKE_DIR:-$ROOT/runs/smoke-${SLURM_JOB_ID:-local}}"
@@ -96,7 +98,7 @@ else
   NODES="${SLURM_JOB_NUM_NODES:-${NODES:-$([ $big = 1 ] && echo 8 || echo 1)}}"
   NPROC="${NPROC:-8}"
   TP="${TP:-$([ $big = 1 ] && echo 8 || echo 1)}"
-  PP="${PP:-1}"; SEQ="${SEQ:-32768}"; GBS="${GBS:-80}"; MBS="${MBS:-1}"
+  PP="${PP:-1}"; CP="${CP:-1}"; SEQ="${SEQ:-32768}"; GBS="${GBS:-80}"; MBS="${MBS:-1}"
   FLOPS="${FLOPS:-2.5e20}"
   EVAL_INTERVAL="${EVAL_INTERVAL:-500}"; EVAL_ITERS="${EVAL_ITERS:-20}"
   SAVE_INTERVAL="${SAVE_INTERVAL:-500}"; LOG_INTERVAL="${LOG_INTERVAL:-10}"
@@ -167,7 +169,8 @@ EXTRA=(${EXTRA_ARGS:-})
 PP_ARGS=()
 if [ "$PP" -gt 1 ]; then PP_ARGS=(--xmod-pipeline-balance auto); fi
 TRAIN_ARGS=("${MODEL_ARGS[@]}"
-  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" "${DEVICE_ARGS[@]}" "${PP_ARGS[@]}"
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --context-parallel-size "$CP"
+  "${DEVICE_ARGS[@]}" "${PP_ARGS[@]}"
   --seq-length "$SEQ" --max-position-embeddings "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS"
   --train-iters "$ITERS" "${OPT_ARGS[@]}" --attention-dropout 0 --hidden-dropout 0
   "${DATA_ARGS[@]}"
@@ -175,7 +178,7 @@ TRAIN_ARGS=("${MODEL_ARGS[@]}"
   --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
   --exit-signal-handler "${EXTRA[@]}")
 
-echo "[xmod] $DESC: $NODES node(s) x $NPROC processes = world size $WORLD_SIZE, TP $TP, PP $PP, $GBS sequences per step"
+echo "[xmod] $DESC: $NODES node(s) x $NPROC processes = world size $WORLD_SIZE, TP $TP, PP $PP, CP $CP, $GBS sequences per step"
 MASTER_PORT=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
 CMD=(srun --kill-on-bad-exit=1 --nodes="$NODES" --ntasks-per-node=1 "$PY" -m megatron_xmod.training.torchrun
      --nnodes="$NODES" --nproc_per_node="$NPROC" --shutdown_timeout="${PREEMPT_GRACE:-240}"

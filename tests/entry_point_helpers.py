@@ -71,6 +71,24 @@ def torchrun(nproc: int, target: list[str], argv: list[str], check: bool = True,
     return result
 
 
+def routed_run(nproc: int, data: str, routed: list[str], iters: int, *extra: str):
+    """(training losses, validation losses) of the entry point training the tiny model with ``routed``
+    flags for ``iters`` iterations, validating every 3 (the multi-rank reproduction tests' run)."""
+    flags = common_flags(data, iters, "--eval-interval", "3", "--no-load-rng", *extra)
+    result = torchrun(nproc, ["-m", "megatron_xmod.pretrain"], [*routed, *flags])
+    return train_losses(result.stdout), validation_losses(result.stdout)
+
+
+def common_start(root: Path, routed: list[str], iters: int):
+    """(data, checkpoint, single-process losses from it): one process saves iteration 1 and stops, and
+    trains on from there; runs of other layouts load the same checkpoint (megatron reshards it), because
+    megatron seeds every pipeline stage differently."""
+    data = write_byte_data(str(root / "bytes"))
+    checkpoint = root / "ckpt"
+    routed_run(1, data, routed, iters, "--save", str(checkpoint), "--save-interval", "1", "--exit-interval", "1")
+    return data, checkpoint, routed_run(1, data, routed, iters, "--load", str(checkpoint))
+
+
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
 _VALIDATION = re.compile(r"validation loss at iteration (\d+) \|([^\n]*)")
 # megatron 0.19: "number of parameters on (tensor, gtp_remat, pipeline) model parallel rank (0, 0, 1): N"

@@ -41,7 +41,6 @@ INVALID = [
     (dict(GOOD_XMOD, num_layers=7, xmod_eval_routing="sample"), "xmod_eval_routing"),
     (dict(num_layers=5, xmod_routing_family="mod", xmod_sparsity_k=4, xmod_anchor_stride=2.0, xmod_activated_depth=4), "anchor_stride"),
     (dict(GOOD_XMOD, num_layers=7, apply_rope_fusion=True), "apply_rope_fusion"),
-    (dict(GOOD_XMOD, num_layers=7, context_parallel_size=2), "context_parallel_size"),
 ]
 
 
@@ -59,10 +58,9 @@ def test_allowed_values_are_listed():
         make(**GOOD_XMOD, num_layers=7, xmod_eval_routing="sample")
 
 
-def test_sequence_parallel_and_full_recompute_are_accepted():
-    """Both were refused before the routed layers supported them (tests/test_sequence_parallel.py,
-    tests/test_recompute.py); context parallelism stays refused, saying why."""
+def test_sequence_parallel_full_recompute_and_context_parallel_are_accepted():
+    """All three were refused before the routed layers supported them (tests/test_sequence_parallel.py,
+    tests/test_recompute.py, tests/test_context_parallel.py)."""
     make(**GOOD_XMOD, num_layers=7, sequence_parallel=True, tensor_model_parallel_size=2)
     make(**GOOD_XMOD, num_layers=7, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    with pytest.raises(ValueError, match="do not implement context parallelism"):
-        make(**GOOD_XMOD, num_layers=7, context_parallel_size=2)
+    make(**GOOD_XMOD, num_layers=7, context_parallel_size=2)

@@ -1,6 +1,8 @@
 """Routed layers save their full-length router input once per block (megatron_xmod.xmod.routing_state), with the
 gradients of today's ``nn.Linear`` router bit for bit; the memory estimate's per-layer activation
 formulas against the bytes autograd actually saves."""
+import dataclasses
+
 import pytest
 import torch
 from helpers import tiny_model
@@ -201,3 +203,41 @@ def test_count_memory_prints_parts_and_refuses_above_the_gpu_memory(capsys):
     assert sp.optimizer_state == pytest.approx(plain.optimizer_state / 8)
     with pytest.raises(ValueError, match="recompute"):
         Parallel(recompute="some")
+
+
+def test_count_memory_under_context_parallelism():
+    """--cp: dense layers, block bases and logits at L/CP positions (plus the dense layers' gathered keys and
+    values); routed layers at their static CP width min(L/K, L/CP) per sequence, so at K >= CP they do not shrink."""
+    from megatron_xmod.presets import get_backbone, parse_model
+    from megatron_xmod.training.memory_estimate import Parallel, dense_layer_bytes, estimate, gathered_kv_bytes
+
+    b = get_backbone("1.65b")
+    base = Parallel(tp=8, dp=8, sequence_parallel=True, recompute="selective")
+    one, two = (estimate(parse_model("xmod-a3k16", b), 32768, dataclasses.replace(base, cp=cp)) for cp in (1, 2))
+    assert two.logits == pytest.approx(one.logits / 2)
+    assert two.activations_block_bases == pytest.approx(one.activations_block_bases / 2)
+    assert two.activations_routed_layers >= one.activations_routed_layers  # K = 16 >= CP: the same width
+    dense_one = estimate(parse_model("dense", b), 32768, base).activations_dense_layers
+    dense_two = estimate(parse_model("dense", b), 32768, dataclasses.replace(base, cp=2)).activations_dense_layers
+    per_layer = dense_layer_bytes(b, 16384, 2, 8, True, "selective") + gathered_kv_bytes(b, 16384, 2, 8, 2)
+    assert dense_two == pytest.approx(dense_one * per_layer / dense_layer_bytes(b, 32768, 2, 8, True, "selective"))
+    with pytest.raises(ValueError, match="seq_len: context parallelism"):
+        estimate(parse_model("dense", b), 32766, Parallel(cp=2))
+    with pytest.raises(ValueError, match="cp: must be >= 1"):
+        Parallel(cp=0)
+
+
+@pytest.mark.parametrize("tp, sp, seq, ok", [(1, False, 64, True), (1, False, 66, False), (2, True, 76, False),
+                                             (2, True, 80, True)])
+def test_preflight_checks_the_sequence_split_of_context_parallelism(tp, sp, seq, ok):
+    import types
+
+    from megatron_xmod.training.preflight import check_context_parallel
+
+    args = types.SimpleNamespace(context_parallel_size=2, tensor_model_parallel_size=tp, sequence_parallel=sp,
+                                 seq_length=seq)
+    if ok:
+        check_context_parallel(args)
+    else:
+        with pytest.raises(ValueError, match="seq_length: context parallelism splits a sequence into"):
+            check_context_parallel(args)

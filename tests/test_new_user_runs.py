@@ -36,7 +36,7 @@ TEXT = "\n\n".join(f"Paragraph {i}: to be, or not to be, that is the question nu
 
 def _launch(script, timeout=600, **env) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    for knob in ("NODES", "NPROC", "TP", "PP", "SEQ", "GBS", "MBS", "BACKBONE", "MODEL", "FLOPS", "DATA", "ITERS",
+    for knob in ("NODES", "NPROC", "TP", "PP", "CP", "SEQ", "GBS", "MBS", "BACKBONE", "MODEL", "FLOPS", "DATA", "ITERS",
                  "EXTRA_ARGS", "SMOKE", "DRY_RUN", "SPLIT", "CKPT", "TB", "RUN_NAME", "TOKENIZER", "TOKENIZER_TYPE",
                  "TOKENIZER_MODEL", "VOCAB_SIZE", "SKIP_DRY_RUN"):
         clean.pop(knob, None)

@@ -7,7 +7,7 @@ training and validation, with pipeline boundaries inside sparse blocks. The tiny
 ``D + (S4*2 + D)*2 + D`` has sparse blocks at layers 2-3 and 5-6 (1-based).
 """
 import pytest
-from entry_point_helpers import common_flags, torchrun, train_losses, validation_losses, write_byte_data
+from entry_point_helpers import common_start, routed_run
 
 pytestmark = pytest.mark.slow
 
@@ -17,19 +17,13 @@ ITERS = 5
 
 
 def _run(nproc, data, *extra):
-    flags = common_flags(data, ITERS, "--eval-interval", "3", "--no-load-rng", *extra)
-    result = torchrun(nproc, ["-m", "megatron_xmod.pretrain"], [*ROUTED, *flags])
-    return train_losses(result.stdout), validation_losses(result.stdout)
+    return routed_run(nproc, data, ROUTED, ITERS, *extra)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The common start (PP1 saves iteration 1), and PP1's losses from there."""
-    root = tmp_path_factory.mktemp("pipeline")
-    data = write_byte_data(str(root / "bytes"))
-    checkpoint = root / "ckpt"
-    _run(1, data, "--save", str(checkpoint), "--save-interval", "1", "--exit-interval", "1")
-    return data, checkpoint, _run(1, data, "--load", str(checkpoint))
+    return common_start(tmp_path_factory.mktemp("pipeline"), ROUTED, ITERS)
 
 
 def _from_common_start(reference, layout, tensor_parallel=1):

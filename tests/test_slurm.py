@@ -25,7 +25,7 @@ TABLE6_MODELS = ("dense", "mod", "xmod-a4k8", "xmod-a3k16", "moe-8x64", "moe-8x1
 
 def _launch(script: str | Path, timeout: int = 300, **env) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # not inside a job
-    for knob in ("NODES", "NPROC", "TP", "PP", "SEQ", "GBS", "BACKBONE", "MODEL", "FLOPS", "DATA", "ITERS",
+    for knob in ("NODES", "NPROC", "TP", "PP", "CP", "SEQ", "GBS", "BACKBONE", "MODEL", "FLOPS", "DATA", "ITERS",
                  "EXTRA_ARGS", "SMOKE", "DRY_RUN", "SPLIT"):
         clean.pop(knob, None)
     clean.update({k: str(v) for k, v in env.items()})
@@ -140,6 +140,20 @@ def test_dry_run_fails_naming_gbs_when_the_batch_does_not_divide():
     assert "GBS: GBS=76 sequences per step do not split evenly over data-parallel 8 x MBS 1" in proc.stderr
     assert "or GBS=72 or 80 at NODES=8" in proc.stderr
     assert "nothing was started" in proc.stderr
+
+
+@pytest.mark.slow
+def test_dry_run_with_context_parallelism_validates_cp_and_the_sequence_split():
+    """CP=2: replicas of TP 8 x CP 2 (data-parallel 4), the memory estimate at L/CP; a SEQ that does not
+    split into 2 x CP x TP (sequence parallelism) parts is refused before megatron, naming the knob."""
+    proc = _launch(SLURM / "xmod_1p65b.sh", DRY_RUN=1, CP=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--context-parallel-size 2" in proc.stdout and "CP 2, 80 sequences per step" in proc.stdout
+    assert "[dry-run] OK: world size 64 = data-parallel 4 x TP 8 x PP 1 x CP 2" in proc.stdout
+    proc = _launch(SLURM / "xmod_1p65b.sh", DRY_RUN=1, CP=2, SEQ=32752)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "seq_length: context parallelism splits a sequence into 2 x CP 2 x TP 8 (sequence parallelism) = 32" \
+        in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

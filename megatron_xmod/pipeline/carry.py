@@ -25,6 +25,8 @@ import functools
 
 import torch
 
+from megatron_xmod.xmod.layers import _context_parallel_group, gather_context_parallel, load_balanced_positions
+
 CHANNELS = ("token_choice_bias", "previous_selected")
 
 
@@ -92,6 +94,9 @@ def attach_boundary_carry(model: torch.nn.Module) -> torch.nn.Module:
     # Sequence parallelism: activations are a 1/TP shard of the sequence while every TP rank holds the
     # whole [s, b] bias (routing ranks the whole sequence): send the own shard, all-gather on receipt.
     tp_group = _tp_group(model) if config.sequence_parallel else None
+    # Context parallelism likewise: a CP rank holds its rows of megatron's load-balanced layout; it sends
+    # those (then their sequence-parallel shard) and reassembles the whole sequence on receipt.
+    cp_group = _context_parallel_group(config)
 
     if not model.pre_process:
         def split_carry(decoder, args):
@@ -104,6 +109,8 @@ def attach_boundary_carry(model: torch.nn.Module) -> torch.nn.Module:
             carried = received[..., hidden:].detach().float()
             if tp_group is not None and receives:
                 carried = _gather_along_first_dim(carried.contiguous(), tp_group)
+            if cp_group is not None and receives:
+                carried = gather_context_parallel(carried.contiguous(), cp_group)
             if receives:
                 state.put_bias(first - 1, carried[..., 0].contiguous(), carried[..., 1] > 0.5)
             decoder.input_tensor = received[..., :hidden].contiguous()
@@ -117,11 +124,15 @@ def attach_boundary_carry(model: torch.nn.Module) -> torch.nn.Module:
                 return output
             rows, batch = output.shape[:2]
             shards = 1 if tp_group is None else tp_group.size()
-            bias, selected = state.take_bias(last + 1, (rows * shards, batch))
+            cp = 1 if cp_group is None else cp_group.size()
+            bias, selected = state.take_bias(last + 1, (rows * shards * cp, batch))
             if bias is None:
                 extra = output.new_zeros(rows, batch, channels)
             else:
                 extra = torch.stack([bias, selected.float()], dim=-1).to(output.dtype)
+                if cp > 1:  # this CP rank's rows, in megatron's load-balanced order
+                    positions = load_balanced_positions(rows * shards * cp, cp, str(extra.device))
+                    extra = extra.index_select(0, positions[cp_group.rank()])
                 if shards > 1:  # this rank's sequence shard
                     extra = extra[tp_group.rank() * rows : (tp_group.rank() + 1) * rows]
             return torch.cat([output, extra.detach()], dim=-1)

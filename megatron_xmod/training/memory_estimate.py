@@ -65,9 +65,10 @@ class Parallel:
     num_microbatches: Optional[int] = None  # None: at least pp (the 1F1B steady state)
     ep: int = 1  # expert parallel (megatron's --expert-model-parallel-size); MoE models only
     etp: Optional[int] = None  # expert tensor parallel (--expert-tensor-parallel-size); None: TP, megatron's default
+    cp: int = 1  # context parallel (--context-parallel-size): each rank holds L/CP positions of every sequence
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "micro_batch_size", "bytes_per_activation", "ep"):
+        for name in ("tp", "pp", "dp", "micro_batch_size", "bytes_per_activation", "ep", "cp"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.etp is not None and int(self.etp) < 1:
@@ -172,16 +173,25 @@ def moe_layer_bytes(b: Backbone, shape: MoELayerShape, tokens: int, e: int = 4, 
 
 
 def routed_layer_bytes(b: Backbone, seq_tokens: int, sparsity_k: int, family: str = "xmod", e: int = 4,
-                       tp: int = 1, sp: bool = False, recompute: str = "none") -> float:
-    """Bytes a routed layer saves (inside a chain, without the block's base), ``seq_tokens`` = L x b."""
-    routed = seq_tokens / sparsity_k
+                       tp: int = 1, sp: bool = False, recompute: str = "none", cp: int = 1) -> float:
+    """Bytes a routed layer saves (inside a chain, without the block's base), ``seq_tokens`` = L x b.
+
+    Under context parallelism a rank runs its routed tokens at the static width min(L/K, L/CP) per
+    sequence (it may hold any number of them) and keeps the keys and values gathered from every CP rank;
+    its router scores stay full length (every rank routes the whole sequence)."""
+    routed = min(seq_tokens / sparsity_k, seq_tokens / cp)
     h_split = tp if sp else 1
     # the chain's rows: under sequence parallelism every rank keeps all routed rows (a static shape, no
     # host sync), at most all of its own
-    chain_rows = min(routed, seq_tokens / h_split)
+    chain_rows = min(routed, seq_tokens / cp / h_split)
     extra_per_routed = b.hidden_size * e / h_split + 3 * 8 + (3 if family == "xmod" else 2) * 4  # + gated update
     return (dense_layer_bytes(b, routed, e, tp, sp, recompute) + routed * extra_per_routed + chain_rows * b.hidden_size * e
-            + seq_tokens * 3 * 4)
+            + gathered_kv_bytes(b, routed, e, tp, cp) + seq_tokens * 3 * 4)
+
+
+def gathered_kv_bytes(b: Backbone, tokens: float, e: int, tp: int, cp: int) -> float:
+    """The keys and values of the other CP ranks a layer keeps for backward (``tokens``: its own rows)."""
+    return tokens * (cp - 1) * 2 * b.num_query_groups * b.head_dim / tp * e
 
 
 def block_base_bytes(b: Backbone, seq_tokens: int, e: int = 4, tp: int = 1, sp: bool = False) -> float:
@@ -237,6 +247,11 @@ def estimate(description: ModelDescription, seq_len: int, parallel: Parallel,
         moe = MoELayerShape.from_model(description.moe, b.ffn_hidden_size)
     if seq_len % (p.tp if p.sequence_parallel else 1):
         raise ValueError(f"seq_len: sequence parallelism needs L ({seq_len}) divisible by TP ({p.tp})")
+    if seq_len % (2 * p.cp):
+        raise ValueError(f"seq_len: context parallelism splits L ({seq_len}) into 2 x CP = {2 * p.cp} equal chunks; "
+                         f"use a multiple of {2 * p.cp}")
+    if moe is not None and p.cp > 1:
+        raise ValueError("cp: the estimate of MoE layers under context parallelism is not modelled; use --cp 1")
     e, tp, sp = p.bytes_per_activation, p.tp, p.sequence_parallel
     etp = tp if p.etp is None else p.etp
     if moe is not None:
@@ -257,27 +272,28 @@ def estimate(description: ModelDescription, seq_len: int, parallel: Parallel,
         state, expert_state = state / p.dp, expert_state / (tp * p.dp / (etp * p.ep))
     state += expert_state
     tokens = seq_len * p.micro_batch_size
+    local = tokens / p.cp  # the positions this CP rank holds
     in_flight = p.pp if p.num_microbatches is None else min(p.pp, p.num_microbatches)
     dense = routed = bases = moe_layers = 0.0
     blocks = set()
     for layer in layout.layers:
         if p.recompute == "full":  # every layer keeps its input (the checkpoint), full length
-            dense += block_base_bytes(b, tokens, e, tp, sp)
+            dense += block_base_bytes(b, local, e, tp, sp)
             continue
         if moe is not None:
             moe_layers += moe_layer_bytes(b, moe, tokens, e, tp, sp, p.recompute, p.ep, etp)
         elif layer.is_sparse:
-            routed += routed_layer_bytes(b, tokens, layer.sparsity_k, layout.family, e, tp, sp, p.recompute)
+            routed += routed_layer_bytes(b, tokens, layer.sparsity_k, layout.family, e, tp, sp, p.recompute, p.cp)
             blocks.add(layer.block)
         else:
-            dense += dense_layer_bytes(b, tokens, e, tp, sp, p.recompute)
-    bases = len(blocks) * block_base_bytes(b, tokens, e, tp, sp)
+            dense += dense_layer_bytes(b, local, e, tp, sp, p.recompute) + gathered_kv_bytes(b, local, e, tp, p.cp)
+    bases = len(blocks) * block_base_bytes(b, local, e, tp, sp)
     scale = in_flight / p.pp  # this stage's share of the layers, times the micro-batches it holds
     dense, routed, bases, moe_layers = dense * scale, routed * scale, bases * scale, moe_layers * scale
     if p.recompute == "full":  # one layer's activations live again while it is recomputed
         dense += (moe_layer_bytes(b, moe, tokens, e, tp, sp, "none", p.ep, etp) if moe is not None
-                  else dense_layer_bytes(b, tokens, e, tp, sp))
-    logits = tokens * b.vocab_size / tp * (e + 4)  # logits and the fp32 softmax of the cross entropy
+                  else dense_layer_bytes(b, local, e, tp, sp) + gathered_kv_bytes(b, local, e, tp, p.cp))
+    logits = local * b.vocab_size / tp * (e + 4)  # logits and the fp32 softmax of the cross entropy
     total = weights + gradients + state + dense + routed + bases + moe_layers + logits
     return MemoryEstimate(description.name, seq_len, int(params + experts), weights, gradients, state, dense, routed,
                           bases, logits, total, activations_moe_layers=moe_layers, expert_params_per_gpu=int(experts))
@@ -307,6 +323,8 @@ def add_memory_arguments(p) -> None:
     p.add_argument("--etp", type=int, default=None,
                    help="expert tensor-parallel size, megatron's --expert-tensor-parallel-size (--memory, MoE models; "
                         "default: --tp, as megatron)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size, megatron's --context-parallel-size (--memory)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (--memory)")
     p.add_argument("--recompute", default="none", choices=RECOMPUTE, help="activation recompute (--memory)")
     p.add_argument("--sequence-parallel", action="store_true", help="megatron's sequence parallelism (--memory)")
@@ -321,7 +339,7 @@ def parallel_from_args(args) -> Parallel:
     return Parallel(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch_size=args.micro_batch_size,
                     sequence_parallel=args.sequence_parallel, recompute=args.recompute, optimizer=args.optimizer,
                     distributed_optimizer=args.distributed_optimizer, ep=getattr(args, "ep", 1),
-                    etp=getattr(args, "etp", None))
+                    etp=getattr(args, "etp", None), cp=getattr(args, "cp", 1))
 
 
 def print_memory(args, backbone: Backbone, models: list[str]) -> int:
@@ -338,7 +356,8 @@ def print_memory(args, backbone: Backbone, models: list[str]) -> int:
     else:
         experts = any(d.moe is not None for d in descriptions)
         etp = parallel.tp if parallel.etp is None else parallel.etp
-        print(f"backbone {backbone.name}, L = {args.seq_len}, TP {parallel.tp} x PP {parallel.pp} x DP {parallel.dp}"
+        print(f"backbone {backbone.name}, L = {args.seq_len}, TP {parallel.tp} x PP {parallel.pp}"
+              + (f" x CP {parallel.cp}" if parallel.cp > 1 else "") + f" x DP {parallel.dp}"
               + (f" (experts: EP {parallel.ep} x ETP {etp})" if experts else "")
               + f", micro-batch {parallel.micro_batch_size}, sequence parallel "
               f"{'on' if parallel.sequence_parallel else 'off'}, recompute {parallel.recompute}, {parallel.optimizer}"
@@ -410,7 +429,8 @@ def estimate_from_args(args) -> MemoryEstimate:
         fp32_gradients=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", True)),
         num_microbatches=max(1, args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)),
         ep=getattr(args, "expert_model_parallel_size", None) or 1,
-        etp=getattr(args, "expert_tensor_parallel_size", None))
+        etp=getattr(args, "expert_tensor_parallel_size", None),
+        cp=getattr(args, "context_parallel_size", None) or 1)
     return estimate(ModelDescription(layout.notation, backbone, layout), args.seq_length, parallel, moe=moe)
 
 

@@ -44,6 +44,7 @@ def validate_before_training(args, vocab_size: Optional[int] = None) -> None:
     config = config_from_args(args)  # raises with the field name
     ks = {layer.sparsity_k for layer in config.layer_layout.layers if layer.is_sparse}
     check_document_masks(args, routed=bool(ks))
+    check_context_parallel(args)
     for k in ks:
         if args.seq_length % k:
             raise ValueError(f"seq_length: {args.seq_length} is not divisible by sparsity K={k} (top-k routes exactly L/K tokens)")
@@ -74,11 +75,31 @@ def check_document_masks(args, routed: bool) -> None:
                          "but --no-create-attention-mask-in-dataloader switches that off (megatron would train with a "
                          "plain causal mask, silently); drop --no-create-attention-mask-in-dataloader (--xmod-cpu "
                          "leaves it out when --reset-attention-mask is given)")
+    if routed and args.context_parallel_size > 1:
+        raise ValueError("reset_attention_mask: routed layers under context parallelism attend causally among the "
+                         "routed tokens of the whole sequence; document masks are not applied across CP ranks (dense "
+                         "models are: the mask's key columns follow the gathered keys); drop --reset-attention-mask "
+                         "or use --context-parallel-size 1")
     if routed and args.transformer_impl != "local":
         raise ValueError(f"reset_attention_mask: routed layers apply the document mask with the SDPA core attention "
                          f"of --transformer-impl local only (--transformer-impl {args.transformer_impl}'s causal "
                          "attention ignores an explicit mask); train with --transformer-impl local, or without "
                          "--reset-attention-mask")
+
+
+def check_context_parallel(args) -> None:
+    """Context parallelism splits every sequence into 2 x CP chunks (megatron's load-balanced layout) and,
+    with sequence parallelism, a CP rank's rows over the TP ranks; megatron finds an uneven split only
+    in its first forward pass (a view error)."""
+    cp = args.context_parallel_size
+    if cp <= 1:
+        return
+    unit = 2 * cp * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    if args.seq_length % unit:
+        what = f"2 x CP {cp}" + (f" x TP {args.tensor_model_parallel_size} (sequence parallelism)"
+                                  if args.sequence_parallel else "")
+        raise ValueError(f"seq_length: context parallelism splits a sequence into {what} = {unit} equal parts, "
+                         f"{args.seq_length} tokens do not; use a multiple of {unit} (SEQ / --seq-length)")
 
 
 def check_before_megatron_setup(args) -> None:

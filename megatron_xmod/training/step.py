@@ -179,6 +179,27 @@ def _validate_loss(loss: torch.Tensor, report: Optional[_NonfiniteReport] = None
                             message="found Inf in local forward loss calculation")
 
 
+def context_parallel_batch(batch: dict) -> dict:
+    """This CP rank's part of ``batch``: megatron's load-balanced split (get_batch_on_this_cp_rank, as
+    Megatron-LM's pretrain_gpt.py makes it), the attention mask's key columns then put in the order
+    in which the SDPA core attention gathers the keys over the CP group (rank order, layers.SDPAttention);
+    the whole batch at CP 1."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_xmod.xmod.layers import load_balanced_positions
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return batch
+    group = parallel_state.get_context_parallel_group()
+    batch = get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=group)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        order = load_balanced_positions(mask.shape[-1], group.size(), str(mask.device)).reshape(-1)
+        batch["attention_mask"] = mask.index_select(-1, order)
+    return batch
+
+
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model
@@ -192,7 +213,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     if model.training:  # megatron sets curr_iteration before each train step, restored on resume
         set_iteration(model, get_args().curr_iteration)
     before = nonfinite_totals(model)
-    batch = next(data_iterator)
+    batch = context_parallel_batch(next(data_iterator))
     tokens, labels = batch["tokens"], batch["labels"]
     loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
     attention_mask = batch.get("attention_mask")

@@ -36,6 +36,11 @@ def get_layer_submodules(config: XModConfig, use_transformer_engine: bool) -> Tr
     if use_transformer_engine:
         return get_gpt_layer_with_transformer_engine_submodules(qk_layernorm=config.qk_layernorm, **moe)
     submodules = get_gpt_layer_local_submodules(qk_layernorm=config.qk_layernorm, normalization=config.normalization, **moe)
+    return with_sdpa_core_attention(submodules)
+
+
+def with_sdpa_core_attention(submodules: TransformerLayerSubmodules) -> TransformerLayerSubmodules:
+    """``submodules`` with the SDPA core attention (no parameters, so checkpoints are unchanged)."""
     attention = submodules.self_attention
     attention = dataclasses.replace(
         attention, submodules=dataclasses.replace(attention.submodules, core_attention=SDPAttention)
@@ -47,11 +52,17 @@ def get_xmod_decoder_layer_specs(config: XModConfig, use_transformer_engine: boo
     """One layer spec per layout position; a sparse layer's routing settings are its spec params
     (data only: the routing state is attached to the built model, see :mod:`megatron_xmod.xmod.routing_state`)."""
     submodules = get_layer_submodules(config, use_transformer_engine)
+    # Under context parallelism a routed layer's attention runs on its routed tokens at their real positions
+    # (XModSparseLayer._context_parallel_batch), which TransformerEngine's CP attention (load-balanced chunks
+    # of a whole sequence) cannot express: its core attention is SDPA's, on the same TE projections.
+    sparse = submodules
+    if use_transformer_engine and config.context_parallel_size > 1:
+        sparse = with_sdpa_core_attention(submodules)
     specs = []
     for layer in config.layer_layout.layers:
         if layer.is_sparse:
             params = dict(routing=config.sparse_layer_routing(layer))
-            specs.append(ModuleSpec(module=XModSparseLayer, params=params, submodules=submodules))
+            specs.append(ModuleSpec(module=XModSparseLayer, params=params, submodules=sparse))
         else:
             specs.append(ModuleSpec(module=TransformerLayer, submodules=submodules))
     return specs

@@ -173,16 +173,9 @@ def check_cuda_graph_compatibility(config, token_choice_bias_tau_warmup: int = 0
 def check_routing_compatibility(config: TransformerConfig, token_choice_bias_tau: float) -> None:
     """Reject the megatron options a routed layer cannot run with, by field name; any
     ``TransformerConfig`` (a sparse layer checks the config it is built with)."""
-    # Sequence parallelism is supported (the layer gathers the L router scores across the TP ranks);
-    # context parallelism is not.
-    if config.context_parallel_size > 1:
-        raise ValueError(
-            f"context_parallel_size: must be 1, got {config.context_parallel_size}: routed layers do not implement "
-            "context parallelism (their top-k ranks all L tokens of a sequence, and the routed tokens, which "
-            "attend only to each other, would land unevenly on megatron's load-balanced CP chunks and need "
-            "re-balancing for ring attention); split long sequences with tensor parallelism and "
-            "--sequence-parallel instead"
-        )
+    # Sequence and context parallelism are supported: the layer gathers the L router scores across the TP
+    # and CP ranks, and under CP all-gathers only its routed tokens' keys and values in its own SDPA core
+    # attention (layers.py), whatever --cp-comm-type the dense layers' TransformerEngine attention uses.
     if config.apply_rope_fusion:
         raise ValueError(
             "apply_rope_fusion: routed layers apply RoPE at per-sequence gathered positions, which the "

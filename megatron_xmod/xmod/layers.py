@@ -10,12 +10,14 @@ subsequence, and scatters the gated update back; every other token passes throug
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import sys
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -44,7 +46,26 @@ class SDPAttention(DotProductAttention):
 
     megatron's local ``DotProductAttention`` materialises the full [b, heads, s, s] score matrix, which
     rules out the paper's L = 32k on GPU; SDPA dispatches to flash / memory-efficient kernels there and
-    to the math kernel on CPU. Same constructor and forward contract as DotProductAttention."""
+    to the math kernel on CPU. Same constructor and forward contract as DotProductAttention.
+
+    Context parallelism (``context_parallel_size`` C > 1) with megatron's semantics for this path (on GPU
+    TransformerEngine's attention implements them; this class lets dense and routed layers run under CP
+    without it): every rank holds its rows of megatron's load-balanced layout (:func:`load_balanced_positions`),
+    the keys and values are all-gathered over the CP group (the backward reduce-scatters their
+    gradients) and a query attends causally by real sequence position. An explicit ``attention_mask``
+    is then [b or 1, 1, sq, C*sk] over the gathered keys, in rank order (a routed layer builds one for
+    its routed tokens, XModSparseLayer._context_parallel_batch)."""
+
+    def __init__(self, config, *args, pg_collection=None, **kwargs):
+        # megatron's DotProductAttention refuses context parallelism (only TransformerEngine's implements
+        # it there); this class implements it itself, so the parent is built at CP 1 and the real config kept.
+        parent = config
+        if config.context_parallel_size > 1:
+            parent = copy.copy(config)
+            parent.context_parallel_size = 1
+        super().__init__(parent, *args, pg_collection=pg_collection, **kwargs)
+        self.config = config
+        self.cp_group = _context_parallel_group(config, pg_collection)
 
     def forward(
         self,
@@ -68,6 +89,8 @@ class SDPAttention(DotProductAttention):
             raise ValueError(f"softmax_type: SDPAttention supports 'vanilla' only, got {self.config.softmax_type!r}")
         mask_type = attn_mask_type or self.attn_mask_type
         sq, b = query.shape[0], query.shape[1]
+        if self.cp_group is not None:
+            key, value, attention_mask = self._context_parallel_keys(key, value, attention_mask, mask_type)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         # megatron masks are True where attention is *forbidden*; SDPA's boolean masks are True
         # where it is allowed. As in megatron's local path, an explicit mask wins over the type.
@@ -82,6 +105,59 @@ class SDPAttention(DotProductAttention):
                 scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1],
             )
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _context_parallel_keys(self, key, value, attention_mask, mask_type):
+        """Keys and values of the whole CP group ([C*sk, b, groups, d], rank order) and the mask over them:
+        the given one, or causal by position in megatron's load-balanced layout (no mask: no causal type)."""
+        group = self.cp_group
+        key, value = (gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=True, group=group)
+                      for t in (key, value))
+        if attention_mask is None and mask_type == AttnMaskType.causal:
+            attention_mask = _load_balanced_causal_mask(key.shape[0], group.size(), group.rank(), str(key.device))
+        return key, value, attention_mask
+
+
+def _context_parallel_group(config, pg_collection=None):
+    """The CP process group of a layer built with ``config`` (None at context_parallel_size 1)."""
+    if config.context_parallel_size <= 1:
+        return None
+    group = getattr(pg_collection, "cp", None)
+    return group if group is not None else parallel_state.get_context_parallel_group()
+
+
+@functools.lru_cache(maxsize=64)
+def load_balanced_positions(seq_len: int, cp_size: int, device: str = "cpu") -> torch.Tensor:
+    """[C, L/C] int64: the sequence positions of each CP rank's rows in megatron's load-balanced layout
+    (megatron.core.utils.get_batch_on_this_cp_rank: 2C chunks, rank r holding chunks r and 2C-1-r, so
+    that every rank gets the same causal attention work). Cached: a constant of (L, C, device)."""
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"seq_length: context parallelism splits a sequence into 2 x context_parallel_size = "
+                         f"{2 * cp_size} equal chunks, {seq_len} tokens do not; use a multiple of {2 * cp_size}")
+    chunk = seq_len // (2 * cp_size)
+    ranks = torch.arange(cp_size, device=device)
+    chunks = torch.stack([ranks, 2 * cp_size - 1 - ranks], 1)  # [C, 2]
+    return (chunks.unsqueeze(-1) * chunk + torch.arange(chunk, device=device)).reshape(cp_size, -1)
+
+
+@functools.lru_cache(maxsize=64)
+def _sequence_order(seq_len: int, cp_size: int, device: str) -> torch.Tensor:
+    """[L]: the row of the rank-order gathered sequence that holds each position (the inverse layout)."""
+    return torch.argsort(load_balanced_positions(seq_len, cp_size, device).reshape(-1))
+
+
+@functools.lru_cache(maxsize=16)
+def _load_balanced_causal_mask(keys: int, cp_size: int, rank: int, device: str) -> torch.Tensor:
+    """[1, 1, L/C, L] megatron's mask (True = masked) of rank ``rank``'s queries over the gathered keys."""
+    positions = load_balanced_positions(keys, cp_size, device)
+    return (positions.reshape(1, -1) > positions[rank].unsqueeze(1)).view(1, 1, keys // cp_size, keys)
+
+
+def gather_context_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """This CP rank's rows ``x`` [L/C, ...] of megatron's load-balanced layout -> the whole sequence
+    [L, ...] in position order, on every rank of ``group``; the backward hands each rank the summed
+    gradient of its own rows (all-gather, reduce-scatter)."""
+    gathered = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
+    return gathered.index_select(0, _sequence_order(gathered.shape[0], group.size(), str(x.device)))
 
 
 def _num_microbatches() -> int:
@@ -222,6 +298,13 @@ class XModSparseLayer(TransformerLayer):
             # Replicated on the TP ranks but, under sequence parallelism, fed by this rank's tokens only:
             # megatron all-reduces the gradients of parameters tagged so (as for the layer norms).
             param.sequence_parallel = config.sequence_parallel
+        self.cp_group = _context_parallel_group(config, getattr(self, "pg_collection", None))
+        if self.cp_group is not None and not isinstance(self.self_attention.core_attention, SDPAttention):
+            raise ValueError(
+                f"context_parallel_size: a routed layer under context parallelism attends among its routed tokens "
+                f"with the SDPA core attention, this layer's is {type(self.self_attention.core_attention).__name__}; "
+                "build the sparse layers with megatron_xmod's block spec (get_xmod_decoder_block_spec), which gives "
+                "them SDPAttention under CP, or use --context-parallel-size 1")
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None, context_mask=None,
                 rotary_pos_emb=None, inference_context=None, packed_seq_params=None, **unused):
@@ -229,6 +312,10 @@ class XModSparseLayer(TransformerLayer):
             raise ValueError("inference_context/packed_seq_params: not supported by routed layers (packed THD "
                              "sequences: train with --reset-attention-mask instead, docs/routing.md 'Document masks')")
         attention_mask = _document_mask(attention_mask)
+        if attention_mask is not None and self.cp_group is not None:
+            raise ValueError("reset_attention_mask: routed layers under context parallelism attend causally among "
+                             "the routed tokens of the whole sequence (document masks are not split across CP "
+                             "ranks); drop --reset-attention-mask or use --context-parallel-size 1")
         if attention_mask is not None and not isinstance(self.self_attention.core_attention, SDPAttention):
             raise ValueError(
                 f"attention_mask: routed layers apply a document mask (--reset-attention-mask) with the SDPA core "
@@ -243,7 +330,7 @@ class XModSparseLayer(TransformerLayer):
                 "building it")
         routing = self.routing
         seq_len, batch = hidden_states.shape[:2]
-        seq_len *= self._sequence_shards()  # under sequence parallelism routing ranks the whole sequence
+        seq_len *= self._sequence_shards() * self._cp_size()  # under SP and CP routing ranks the whole sequence
         phase = recompute_phase(self.training)  # "first" / "replay" under full recompute, else None
         logits, chain = self._router_logits(hidden_states)  # [s, b], whole sequence
         carried_bias, previous_selected = self._take_bias(state, (seq_len, batch), phase)
@@ -338,14 +425,19 @@ class XModSparseLayer(TransformerLayer):
             # L scalars per sequence: every TP rank gets them all and makes the same selection; the
             # backward reduce-scatters the score gradients to the rank that holds each token.
             logits = gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=True, group=self.tp_group)
+        if self.cp_group is not None:
+            # The same for the CP ranks: L scalars per sequence, reassembled in position order from megatron's
+            # load-balanced chunks, so that every CP rank routes the whole sequence identically.
+            logits = gather_context_parallel(logits, self.cp_group)
         return logits, chain
 
     def _step_destinations(self, state: RoutingState, rule: str, phase, shape, previous_selected, device) -> dict:
         """What the routing step writes into the routing state (routing_step's keyword arguments): the
         bias hand-over always (but in a recompute replay); under top-k also the routed-set hand-over,
         the call's statistics and, in training without sequence parallelism, the router BCE (its
-        per-sequence parts: sequence parallelism back-propagates each rank's share, _local_share)."""
-        fold_bce = self.training and self.routing.router_bce_coeff > 0 and not self.config.sequence_parallel
+        per-sequence parts: sequence and context parallelism back-propagate each rank's share, _local_share)."""
+        fold_bce = (self.training and self.routing.router_bce_coeff > 0 and not self.config.sequence_parallel
+                    and self.cp_group is None)
         if phase == "replay":  # recorded in the first pass; only the router loss is needed again
             return dict(bce_coeff=self.routing.router_bce_coeff if fold_bce else 0.0)
         bias_out, selected_out = state.bias_buffers(shape, device)
@@ -373,15 +465,29 @@ class XModSparseLayer(TransformerLayer):
 
     def _local_share(self, loss, decision):
         """What this rank back-propagates of a loss averaged over all [s, b] scores: all of it, or under
-        sequence parallelism its own tokens' part (the ranks' score gradients are summed)."""
-        if not self.config.sequence_parallel:
+        sequence and context parallelism its own tokens' part (the ranks' score gradients are summed)."""
+        shards = self._sequence_shards() * self._cp_size()
+        if shards == 1:
             return loss
-        rows = self._local_rows(decision.scores.shape[0] // self._sequence_shards())
-        return router_bce_loss(decision.scores[rows], decision.selected[rows]) / self._sequence_shards()
+        own = self._own_positions(decision.scores.shape[0])
+        share = router_bce_loss(decision.scores[own], decision.selected[own]) / shards
+        if self.cp_group is not None and not self.config.calculate_per_token_loss:
+            # megatron averages gradients over the CP ranks too (dp x cp), and its LM loss is a per-rank
+            # mean for that reason (divided by the rank's token count): the router loss follows suit.
+            share = share * self._cp_size()
+        return share
 
-    def _local_rows(self, local_len: int) -> slice:
+    def _own_positions(self, seq_len: int):
+        """The sequence positions of this rank's rows: a slice (sequence parallelism alone) or an index."""
+        local_len = seq_len // (self._sequence_shards() * self._cp_size())
         start = self.tp_group.rank() * local_len if self.config.sequence_parallel else 0
-        return slice(start, start + local_len)
+        if self.cp_group is None:
+            return slice(start, start + local_len)
+        positions = load_balanced_positions(seq_len, self._cp_size(), str(self.router.weight.device))
+        return positions[self.cp_group.rank(), start:start + local_len]
+
+    def _cp_size(self) -> int:
+        return 1 if self.cp_group is None else self.cp_group.size()
 
     def _written_rows(self, indices: Optional[torch.Tensor], local_len: int,
                       flat: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -395,10 +501,17 @@ class XModSparseLayer(TransformerLayer):
         value: exact. Under sequence parallelism the routed positions that another rank holds point at
         row 0 of their sequence instead; the cost is min(k, s/T)*b rows per layer on every rank instead
         of this rank's share (when k >= s/T, all of its rows)."""
-        if flat is not None and not self.config.sequence_parallel:
+        if flat is not None and not self.config.sequence_parallel and self.cp_group is None:
             return flat
         if indices is None:
             return torch.empty(0, dtype=torch.long, device=self.router.weight.device)
+        if self.cp_group is not None:  # positions -> rows of this CP rank's slice (others' tokens: row 0)
+            cp_len = local_len * self._sequence_shards()
+            positions = load_balanced_positions(cp_len * self._cp_size(), self._cp_size(), str(indices.device))
+            rows = torch.full((cp_len * self._cp_size(),), -1, dtype=torch.long, device=indices.device)
+            rows[positions[self.cp_group.rank()]] = torch.arange(cp_len, device=indices.device)
+            local = rows[indices]
+            indices = torch.where(local >= 0, local, 0)
         if self.config.sequence_parallel and indices.shape[0] >= local_len:
             return torch.arange(local_len * indices.shape[1], device=indices.device)
         if self.config.sequence_parallel:
@@ -410,19 +523,23 @@ class XModSparseLayer(TransformerLayer):
         return getattr(self, "gate_scale", None)  # varsigma of Eq.(7); MoD has none
 
     def _routed_update(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None,
-                       document_mask=None):
-        """(x with the routed tokens ``indices`` updated, the gathered routed input [k, b, h] or None under
-        sequence parallelism); ``gate``: their sigmoid(score), when the routing step computed it already
-        (top-k training); ``document_mask``: megatron's [b or 1, 1, s, s] attention mask of the whole
-        sequence (True = masked), applied among the routed tokens."""
+                       document_mask=None, batch_mask=None):
+        """(x with the routed tokens ``indices`` updated, the gathered routed input [k, b, h], or None under
+        sequence or context parallelism, where the rows it gathers are not those ``indices`` name);
+        ``gate``: their sigmoid(score), when the routing step computed it already (top-k training);
+        ``document_mask``: megatron's [b or 1, 1, s, s] attention mask of the whole sequence (True =
+        masked), applied among the routed tokens; ``batch_mask``: the routed batch's own attention mask
+        instead (context parallelism's)."""
+        if self.cp_group is not None and batch_mask is None:
+            return self._routed_update_context_parallel(hidden_states, indices, scores, rotary_pos_emb, valid), None
         if self.config.sequence_parallel:
             return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid, gate,
-                                                         document_mask), None
+                                                         document_mask, batch_mask), None
         # A threshold batch (valid given) is not sorted past its real tokens: plain-torch permutation, and
         # no check of the sorted order the other backends need.
         backend, check = (None, None) if valid is None else ("torch", False)
         routed = gather_tokens(hidden_states, indices, backend=backend, check=check)
-        attention_mask = _routed_document_mask(document_mask, indices)
+        attention_mask = _routed_document_mask(document_mask, indices) if batch_mask is None else batch_mask
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
         if gate is None:
             gate = torch.sigmoid(torch.gather(scores, 0, indices))
@@ -432,7 +549,7 @@ class XModSparseLayer(TransformerLayer):
         return scatter_gated(hidden_states, delta, gate, indices, backend=backend, check=check), routed
 
     def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None,
-                                         document_mask=None):
+                                         document_mask=None, batch_mask=None):
         """Sequence parallel: ``hidden_states`` is this rank's slice [s/T, b, h] of the sequence and
         ``indices`` [k, b] are positions in the whole sequence (the same on every rank). The routed
         subsequence, padded to a multiple of T at its end (causal attention keeps real tokens from
@@ -443,7 +560,8 @@ class XModSparseLayer(TransformerLayer):
         of tokens it does not hold replaced by -0.0 and sent to row 0 of their sequence.
         ``gate``: the routing step's sigmoid(score) of the routed tokens ([k, b]), when it has one.
         ``document_mask``: megatron's mask of the whole sequence ([b or 1, 1, s, s], the same on every
-        rank), gathered at the padded routed positions; the end padding is masked out as a key."""
+        rank), gathered at the padded routed positions; the end padding is masked out as a key.
+        ``batch_mask``: the padded batch's own mask instead (context parallelism's, which pads to T itself)."""
         group = self.tp_group
         shards, rank = group.size(), group.rank()
         local_len, batch, hidden = hidden_states.shape
@@ -459,7 +577,8 @@ class XModSparseLayer(TransformerLayer):
         rows = hidden_states.reshape(-1, hidden).index_select(0, flat_rows(local, batch)).view(-1, batch, hidden)
         rows = torch.where(mine.unsqueeze(-1), rows, 0)
         routed = reduce_scatter_to_sequence_parallel_region(rows, group=group)  # [(k + pad) / T, b, h]
-        attention_mask = _routed_document_mask(document_mask, indices)  # the end padding comes last: causal suffices
+        # the end padding comes last: causal suffices
+        attention_mask = _routed_document_mask(document_mask, indices) if batch_mask is None else batch_mask
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
         part = slice(rank * routed.shape[0], (rank + 1) * routed.shape[0])
         r = (torch.sigmoid(torch.gather(scores, 0, indices[part])) if gate is None else
@@ -472,6 +591,51 @@ class XModSparseLayer(TransformerLayer):
         update = torch.where(mine.unsqueeze(-1), update, -0.0)
         output = hidden_states.reshape(-1, hidden).index_add(0, flat_rows(local, batch), update.reshape(-1, hidden))
         return output.view_as(hidden_states)
+
+    def _routed_update_context_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None):
+        """Context parallel: ``hidden_states`` holds this CP rank's rows of megatron's load-balanced layout
+        ([L/C, b, h]; under sequence parallelism its 1/T shard of them) and ``indices`` [k, b] are positions
+        in the whole sequence, the same on every CP rank (``valid``: False for a threshold batch's padding).
+        Each rank runs attention and MLP on the routed tokens it holds, a batch of static width; the core
+        attention all-gathers their keys and values over the CP group (only that batch travels, not the
+        sequence: C x min(L/K, L/C) rows against a dense layer's L, bench/cp.py) and the mask built here
+        keeps every routed token causal among the routed tokens by real position. The gated update lands on
+        the rank's own rows: nothing else is sent back."""
+        local, real, mask = self._context_parallel_batch(indices, valid, hidden_states.shape[0])
+        positions = load_balanced_positions(scores.shape[0], self._cp_size(), str(scores.device))
+        own = positions[self.cp_group.rank()].gather(0, local.reshape(-1)).view_as(local)  # [w, b] positions
+        gate = torch.sigmoid(torch.gather(scores, 0, own))  # padding: any finite gate, zeroed by ``real``
+        return self._routed_update(hidden_states, local, scores, rotary_pos_emb, real, gate, batch_mask=mask)[0]
+
+    def _context_parallel_batch(self, indices, valid, local_len: int):
+        """This CP rank's routed batch and its attention mask, from the routed positions ``indices`` [k, b].
+
+        Every rank derives every rank's batch from the same routed set (no communication): rank c's rows
+        [w, b] of its slice holding routed tokens, in position order, then padding (unrouted rows of its
+        slice, unique), at the static width w = min(k, L/C) (rounded up to a multiple of T under sequence
+        parallelism, whose routed update splits the batch across the TP ranks): a rank may hold any number of
+        a sequence's routed tokens, none included. Returns (rows [w, b] of this rank's slice, real [w, b],
+        mask [b, 1, w, C*w] over the keys gathered in rank order, True = masked): a real query sees the real
+        keys at positions up to its own, and every row sees itself (no row is all masked; padding gets a
+        zero gate and is seen by nothing else)."""
+        cp, rank, shards = self._cp_size(), self.cp_group.rank(), self._sequence_shards()
+        cp_len = local_len * shards  # this CP rank's rows of every sequence (all its TP ranks)
+        seq_len, batch = cp_len * cp, indices.shape[1]
+        routed = torch.zeros(seq_len, batch, dtype=torch.bool, device=indices.device)
+        routed.scatter_(0, indices, True if valid is None else valid)
+        positions = load_balanced_positions(seq_len, cp, str(indices.device))  # [C, L/C]
+        held = routed.index_select(0, positions.reshape(-1)).view(cp, cp_len, batch)
+        width = min(indices.shape[0], cp_len)
+        width += -width % shards
+        rows, real, _ = capacity_selection(held.permute(1, 0, 2).reshape(cp_len, cp * batch), width)
+        rows, real = rows.view(width, cp, batch), real.view(width, cp, batch)
+        at = positions.gather(1, rows.permute(1, 0, 2).reshape(cp, -1)).view(cp, width, batch)
+        keys = torch.where(real.permute(1, 0, 2), at, seq_len).reshape(cp * width, batch).t()  # [b, C*w]
+        queries = torch.where(real[:, rank], at[rank], -1).t()  # [b, w]
+        allowed = keys.unsqueeze(1) <= queries.unsqueeze(2)  # [b, w, C*w]
+        own = torch.arange(width, device=indices.device)
+        allowed[:, own, rank * width + own] = True
+        return rows[:, rank], real[:, rank], ~allowed.unsqueeze(1)
 
     def _attention_and_mlp(self, x, rotary_pos_emb, attention_mask=None):
         """The attention update a and MLP update f of this layer on the routed subsequence x."""
