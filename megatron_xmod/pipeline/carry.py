@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from megatron_xmod.xmod.layers import _context_parallel_group, gather_context_parallel, load_balanced_positions
+from megatron_xmod.xmod.layers import context_parallel_group, gather_context_parallel, load_balanced_positions
 
 CHANNELS = ("token_choice_bias", "previous_selected")
 
@@ -96,7 +96,7 @@ def attach_boundary_carry(model: torch.nn.Module) -> torch.nn.Module:
     tp_group = _tp_group(model) if config.sequence_parallel else None
     # Context parallelism likewise: a CP rank holds its rows of megatron's load-balanced layout; it sends
     # those (then their sequence-parallel shard) and reassembles the whole sequence on receipt.
-    cp_group = _context_parallel_group(config)
+    cp_group = context_parallel_group(config)
 
     if not model.pre_process:
         def split_carry(decoder, args):

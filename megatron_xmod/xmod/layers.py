@@ -65,7 +65,7 @@ class SDPAttention(DotProductAttention):
             parent.context_parallel_size = 1
         super().__init__(parent, *args, pg_collection=pg_collection, **kwargs)
         self.config = config
-        self.cp_group = _context_parallel_group(config, pg_collection)
+        self.cp_group = context_parallel_group(config, pg_collection)
 
     def forward(
         self,
@@ -117,7 +117,7 @@ class SDPAttention(DotProductAttention):
         return key, value, attention_mask
 
 
-def _context_parallel_group(config, pg_collection=None):
+def context_parallel_group(config, pg_collection=None):
     """The CP process group of a layer built with ``config`` (None at context_parallel_size 1)."""
     if config.context_parallel_size <= 1:
         return None
@@ -298,7 +298,7 @@ class XModSparseLayer(TransformerLayer):
             # Replicated on the TP ranks but, under sequence parallelism, fed by this rank's tokens only:
             # megatron all-reduces the gradients of parameters tagged so (as for the layer norms).
             param.sequence_parallel = config.sequence_parallel
-        self.cp_group = _context_parallel_group(config, getattr(self, "pg_collection", None))
+        self.cp_group = context_parallel_group(config, getattr(self, "pg_collection", None))
         if self.cp_group is not None and not isinstance(self.self_attention.core_attention, SDPAttention):
             raise ValueError(
                 f"context_parallel_size: a routed layer under context parallelism attends among its routed tokens "
