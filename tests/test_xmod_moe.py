@@ -192,6 +192,42 @@ def test_dtopp_controller_counts_routed_tokens_only(seeded):
     assert {n: c for n, c in counts.items() if n not in sparse} == {n: 64.0 for n in counts if n not in sparse}
 
 
+# --- Megatron-LM's --spec route ----------------------------------------------------------------
+
+def test_spec_route_with_megatrons_moe_flags_builds_the_combined_model(seeded):
+    """``--spec megatron_xmod.spec`` with megatron's MoE flags (a plain TransformerConfig carrying the
+    moe-8x64 fields) builds the model our builder makes for ``<layout>+moe-8x64``: same layers, same
+    weights from the same seed, same logits."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_xmod import spec as xmod_spec
+    from megatron_xmod.moe.router import BaselineTopKRouter
+
+    torch.manual_seed(5)
+    ours, config = _build(LAYOUT + "+moe-8x64")
+    plain = TransformerConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(TransformerConfig)
+                                 if f.init})
+    torch.manual_seed(5)
+    theirs = GPTModel(config=plain, transformer_layer_spec=xmod_spec.layout_spec(LAYOUT), vocab_size=TINY.vocab_size,
+                      max_sequence_length=32, share_embeddings_and_output_weights=False,
+                      position_embedding_type="rope", rotary_base=TINY.rotary_base)
+    assert [type(m).__name__ for m in theirs.decoder.layers] == [type(m).__name__ for m in ours.decoder.layers]
+    assert all(type(layer.mlp.router) is BaselineTopKRouter for layer in theirs.decoder.layers)
+    assert sum(p.numel() for p in theirs.parameters()) == count_model(TINY, LAYOUT + "+moe-8x64", 32).total_params
+    theirs_state = theirs.state_dict()
+    for name, tensor in ours.state_dict().items():
+        if torch.is_tensor(tensor):
+            assert torch.equal(tensor, theirs_state[name]), name
+    tokens = torch.randint(0, TINY.vocab_size, (2, 32))
+    positions = torch.arange(32).expand_as(tokens)
+    for training in (True, False):
+        ours.train(training)
+        theirs.train(training)
+        with torch.no_grad():
+            torch.testing.assert_close(theirs(tokens, positions, None), ours(tokens, positions, None), rtol=0, atol=0)
+
+
 # --- flags --------------------------------------------------------------------------------------
 
 def test_entry_point_flags_expand_a_combined_name():
@@ -213,3 +249,129 @@ def test_moe_layer_freq_other_than_one_is_refused_in_a_routed_layout():
     with pytest.raises(ValueError, match="moe_layer_freq: "):
         moe_config_from_backbone(dataclasses.replace(TINY), LAYOUT + "+moe-8x64", moe_layer_freq=2,
                                  use_cpu_initialization=True)
+
+
+# --- through the entry point, and its parallel layouts (torchrun, gloo) ---------------------------
+
+ENTRY_LAYOUT = "D + (S4*2 + D)*2 + D"  # the tiny routed model of the other entry-point tests, 8 layers
+ENTRY_ITERS = 4
+
+
+def _entry_run(nproc, data, *extra):
+    from entry_point_helpers import common_flags, torchrun, train_losses, validation_losses
+
+    flags = common_flags(data, ENTRY_ITERS, "--eval-interval", "2", "--no-load-rng", *extra)
+    result = torchrun(nproc, ["-m", "megatron_xmod.pretrain"],
+                      ["--xmod-model", ENTRY_LAYOUT + "+moe-8x64", "--xmod-no-topk-validation", *flags])
+    return result.stdout, train_losses(result.stdout), validation_losses(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def entry_reference(tmp_path_factory):
+    """megatron seeds the expert-parallel ranks' experts differently, so the parallel runs start from
+    one checkpoint: one process saves iteration 1; the reference and the parallel runs load its weights
+    (not its optimizer: expert parallelism splits megatron's optimizer into a dense and an expert part,
+    which a single rank's optimizer state does not load into)."""
+    from entry_point_helpers import write_byte_data
+
+    root = tmp_path_factory.mktemp("xmod_moe")
+    data = write_byte_data(str(root / "bytes"))
+    checkpoint = root / "ckpt"
+    first = _entry_run(1, data, "--save", str(checkpoint), "--save-interval", "1", "--exit-interval", "1")
+    return data, checkpoint, first, _entry_run(1, data, "--load", str(checkpoint), "--no-load-optim")
+
+
+@pytest.mark.slow
+def test_combined_model_trains_through_the_entry_point(entry_reference):
+    from entry_point_helpers import parameter_counts
+
+    from megatron_xmod.xmod.layout import parse_layout
+
+    _, _, (first_output, first, _), (output, losses, validation) = entry_reference
+    assert "[xmod]" in first_output and sorted(first) == [1]
+    assert sorted(losses) == list(range(2, ENTRY_ITERS + 1)) and sorted(validation) == [2, 4]
+    assert all(0 < loss < 10 for loss in losses.values())
+    combined = count_model(TINY, ENTRY_LAYOUT + "+moe-8x64", 64).total_params
+    assert combined != count_model(TINY, parse_layout(ENTRY_LAYOUT, "xmod"), 64).total_params
+    assert parameter_counts(output) == {(0, 0): combined}
+    assert "load_balancing_loss" in output  # megatron's MoE tracker logs the routed layers' losses too
+
+
+def _assert_same_losses(entry_reference, run):
+    (_, train_ref, valid_ref), (_, train, valid) = entry_reference[3], run
+    assert sorted(train) == sorted(train_ref) == list(range(2, ENTRY_ITERS + 1))
+    for iteration, loss in train.items():
+        assert loss == pytest.approx(train_ref[iteration], rel=1e-5), (iteration, train, train_ref)
+    assert valid.keys() == valid_ref.keys()
+    for iteration, values in valid.items():
+        assert values["lm loss"] == pytest.approx(valid_ref[iteration]["lm loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_expert_parallel_2_reproduces_the_single_rank_losses(entry_reference):
+    data, checkpoint, _, _ = entry_reference
+    _assert_same_losses(entry_reference, _entry_run(2, data, "--load", str(checkpoint), "--no-load-optim",
+                                                    "--expert-model-parallel-size", "2"))
+
+
+@pytest.mark.slow
+def test_tp2_sequence_parallel_reproduces_the_single_rank_losses(entry_reference):
+    data, checkpoint, _, _ = entry_reference
+    _assert_same_losses(entry_reference, _entry_run(2, data, "--load", str(checkpoint), "--no-load-optim",
+                                                    "--tensor-model-parallel-size", "2", "--sequence-parallel"))
+
+
+# --- Hugging Face ---------------------------------------------------------------------------------
+
+def test_hf_generation_with_the_sparse_cache(seeded):
+    """The combined model's HF twin (logit parity: tests/test_hf_modeling.py, kinds xmod-moe and
+    mod-dtopp): greedy generation with the sparse KV cache equals recomputing the whole text at every
+    step, and a routed layer's cache holds only the tokens it routed."""
+    from hf_helpers import build_megatron, hf_twin
+
+    from megatron_xmod.hf.cache import XModCache
+
+    hf = hf_twin(*build_megatron("xmod-moe"))
+    pad = TINY.vocab_size - 1
+    prompt = torch.randint(0, pad, (1, 7), generator=torch.Generator().manual_seed(3))
+    steps = 12
+    generated = hf.generate(prompt, max_new_tokens=steps, do_sample=False, pad_token_id=pad)
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = hf(tokens, use_cache=False).logits[:, -1]
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, tokens)
+    cache = XModCache(hf.config)
+    with torch.no_grad():
+        hf(generated, cache=cache)
+    entries, length = cache.entries(), generated.shape[1]
+    sparse = [i for i in range(hf.config.num_hidden_layers) if hf.config.is_sparse(i)]
+    assert sparse and all(0 < entries[i] < length for i in sparse), entries
+    assert all(entries[i] == length for i in range(len(entries)) if i not in sparse)
+
+
+@pytest.mark.slow
+def test_hf_export_of_an_entry_point_checkpoint_and_back(entry_reference, tmp_path):
+    """``xmod export-hf`` of the entry point's combined checkpoint: logits of megatron's model in eval
+    mode within 1e-4 (fp32); ``xmod import-hf`` back and exporting again gives the same files."""
+    from hf_io_helpers import megatron_logits
+    from transformers import AutoModelForCausalLM
+
+    from megatron_xmod.hf.export import export_checkpoint
+    from megatron_xmod.hf.importer import import_folder, read_hf_weights
+
+    _, checkpoint, _, _ = entry_reference
+    folder = tmp_path / "hf"
+    export_checkpoint(checkpoint, folder, dtype="fp32", progress=False)
+    tokens = torch.randint(0, 255, (2, 64), generator=torch.Generator().manual_seed(0))
+    hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = hf(tokens, use_cache=False).logits
+    torch.testing.assert_close(got, megatron_logits(checkpoint, tokens), rtol=0, atol=1e-4)
+    assert hf.config.num_experts == 64 and "sparse" in hf.config.layer_kinds
+    import_folder(folder, tmp_path / "imported")
+    again = tmp_path / "again"
+    export_checkpoint(tmp_path / "imported", again, dtype="fp32", progress=False)
+    first, second = read_hf_weights(folder), read_hf_weights(again)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

@@ -12,7 +12,7 @@ from typing import Optional
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_xmod.model import build_gpt_model, config_from_backbone
 from megatron_xmod.moe.config import MoEConfig
@@ -51,14 +51,18 @@ def get_moe_layer_spec(config: MoEConfig, use_transformer_engine: Optional[bool]
     if config.num_moe_experts is None:
         raise ValueError("num_moe_experts: an MoE layer spec needs experts")
     submodules = get_layer_submodules(config, resolve_use_transformer_engine(config, use_transformer_engine))
+    router = DTopPRouter if config.is_topp else BaselineTopKRouter
+    return ModuleSpec(module=TransformerLayer, submodules=with_moe_router(submodules, router))
+
+
+def with_moe_router(submodules: TransformerLayerSubmodules, router: type) -> TransformerLayerSubmodules:
+    """megatron's MoE layer submodules with ``router`` in ``MoESubmodules.router``."""
     mlp = submodules.mlp
     if not (isinstance(mlp, functools.partial) and "submodules" in mlp.keywords):
         raise TypeError(f"megatron's MoE spec changed shape (got {mlp!r}); cannot plug the router")
-    router = DTopPRouter if config.is_topp else BaselineTopKRouter
     moe_submodules = dataclasses.replace(mlp.keywords["submodules"], router=router)
-    submodules = dataclasses.replace(
+    return dataclasses.replace(
         submodules, mlp=functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_submodules}))
-    return ModuleSpec(module=TransformerLayer, submodules=submodules)
 
 
 def get_moe_decoder_block_spec(config: MoEConfig, use_transformer_engine: Optional[bool] = None,
