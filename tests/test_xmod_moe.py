@@ -192,6 +192,33 @@ def test_dtopp_controller_counts_routed_tokens_only(seeded):
     assert {n: c for n, c in counts.items() if n not in sparse} == {n: 64.0 for n in counts if n not in sparse}
 
 
+def test_memory_estimate_of_a_routed_moe_layer_matches_saved_bytes(seeded):
+    """What ``xmod count --memory`` assumes a routed layer with an MoE feed-forward saves for backward
+    (the routed layer's bytes with megatron's MoE layer on its L/K routed tokens in place of the dense
+    layer), against what autograd saves (within 10%, as for the dense-FFN routed layer)."""
+    from bench.memory import saved_bytes_per_layer
+
+    from megatron_xmod.moe.presets import parse_moe_model
+    from megatron_xmod.training.memory_estimate import (
+        MoELayerShape,
+        dense_layer_bytes,
+        moe_layer_bytes,
+        routed_layer_bytes,
+    )
+
+    seq_len = 64
+    model, config = _build("S4*2+moe-8x64", seq_len)
+    model.train()
+    x = torch.randn(seq_len, 1, TINY.hidden_size, requires_grad=True)
+    _, second = saved_bytes_per_layer(model, x, model.rotary_pos_emb(seq_len))  # the first holds the block's base
+    shape = MoELayerShape.from_model(parse_moe_model("moe-8x64"), TINY.ffn_hidden_size)
+    routed = seq_len // 4
+    expected = (routed_layer_bytes(TINY, seq_len, 4, "xmod") + moe_layer_bytes(TINY, shape, routed)
+                - dense_layer_bytes(TINY, routed))
+    assert second == pytest.approx(expected, rel=0.1)
+    assert second > routed_layer_bytes(TINY, seq_len, 4, "xmod")  # the experts' dispatch shows
+
+
 # --- Megatron-LM's --spec route ----------------------------------------------------------------
 
 def test_spec_route_with_megatrons_moe_flags_builds_the_combined_model(seeded):
