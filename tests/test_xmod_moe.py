@@ -197,7 +197,6 @@ def test_memory_estimate_of_a_routed_moe_layer_matches_saved_bytes(seeded):
     (the routed layer's bytes with megatron's MoE layer on its L/K routed tokens in place of the dense
     layer), against what autograd saves (within 10%, as for the dense-FFN routed layer)."""
     from bench.memory import saved_bytes_per_layer
-
     from megatron_xmod.moe.presets import parse_moe_model
     from megatron_xmod.training.memory_estimate import (
         MoELayerShape,

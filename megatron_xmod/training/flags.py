@@ -51,7 +51,8 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "the activated depth named models are derived for")
     group.add_argument("--xmod-model", default=None,
                        help="named model: dense, mod, mod-k<K>, xmod-a<A>k<K> (xmod-a4k8, xmod-a3k16), a layout, "
-                            "or an MoE name (same as --moe-preset)")
+                            "an MoE name (same as --moe-preset), or <depth>+<moe> (xmod-a4k8+moe-8x64: the layout "
+                            "with that MoE feed-forward in every layer)")
     group.add_argument("--xmod-routing-family", dest="xmod_routing_family", default="dense", choices=ROUTING_FAMILIES,
                        help="dense, mod (Eq.6: x + a + r f) or xmod (Eq.7: x + s r (a + f)) for every sparse layer")
     group.add_argument("--xmod-sparsity-k", dest="xmod_sparsity_k", type=int, default=None,
