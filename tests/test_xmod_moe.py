@@ -216,6 +216,13 @@ def test_memory_estimate_of_a_routed_moe_layer_matches_saved_bytes(seeded):
                 - dense_layer_bytes(TINY, routed))
     assert second == pytest.approx(expected, rel=0.1)
     assert second > routed_layer_bytes(TINY, seq_len, 4, "xmod")  # the experts' dispatch shows
+    # and its parameters: every one the built model has, the routed experts being what EP splits
+    from megatron_xmod.training.memory_estimate import Parallel, estimate
+
+    built = {n: p.numel() for n, p in model.named_parameters()}
+    est = estimate(parse_model("S4*2+moe-8x64", TINY), seq_len, Parallel(bytes_per_activation=4))
+    assert est.params_per_gpu == sum(built.values())
+    assert est.expert_params_per_gpu == sum(v for n, v in built.items() if ".mlp.experts." in n)
 
 
 # --- Megatron-LM's --spec route ----------------------------------------------------------------
