@@ -276,6 +276,21 @@ def test_entry_point_flags_expand_a_combined_name():
         expand_arguments(["--xmod-backbone", "936m", "--xmod-model", "xmod-a4k8+moe-8x64", "--moe-preset", "moe-8x128"])
 
 
+def test_count_and_plan_take_the_combination(capsys):
+    import json
+
+    from megatron_xmod.cli import main as xmod
+
+    assert xmod(["count", "--backbone", "936m", "--model", "xmod-a4k8+moe-8x64", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["total_params"] == count_model(BACKBONES["936m"], "xmod-a4k8+moe-8x64", 32768).total_params
+    assert xmod(["plan", "--seq-len", "32768", "--n-act", "936m", "--moe", "moe-8x64", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    combined = count_model(BACKBONES["936m"], f"{plan['layout']}+moe-8x64", 32768)
+    assert plan["moe"]["total_params"] == combined.total_params > plan["total_params"]
+    assert any("fitted on X-MoD with dense feed-forwards, without MoE" in w for w in plan["warnings"])
+
+
 def test_moe_layer_freq_other_than_one_is_refused_in_a_routed_layout():
     from megatron_xmod.moe.model import moe_config_from_backbone
 
