@@ -423,3 +423,47 @@ def test_hf_export_of_an_entry_point_checkpoint_and_back(entry_reference, tmp_pa
     export_checkpoint(tmp_path / "imported", again, dtype="fp32", progress=False)
     first, second = read_hf_weights(folder), read_hf_weights(again)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+# megatron's own flags for the X-MoD paper's 8:64 baseline on the tiny backbone (FFN 128: d_e = 16), as
+# docs/moe.md lists them for the --spec route: written out, not derived from our expansion
+MEGATRON_MOE_8X64 = ["--num-experts", "64", "--moe-router-topk", "6", "--moe-ffn-hidden-size", "16",
+                     "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
+                     "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-3",
+                     "--moe-aux-loss-coeff", "1e-3", "--moe-router-load-balancing-type", "aux_loss",
+                     "--moe-token-dispatcher-type", "alltoall", "--moe-router-dtype", "fp32"]
+
+
+@pytest.mark.slow
+def test_megatron_lm_pretrain_gpt_spec_trains_the_combination_as_our_entry_point(tmp_path):
+    """Megatron-LM's unmodified ``pretrain_gpt.py --spec spec_models tiny`` with megatron's MoE flags
+    trains the model ``--xmod-layout ... --moe-preset moe-8x64`` trains through our entry point: the
+    same parameter count (``xmod count``'s) and the same loss at every iteration."""
+    from entry_point_helpers import RUNNER, common_flags, parameter_counts, torchrun, train_losses, write_byte_data
+    from run_megatron_lm import MEGATRON_LM_DIR
+    from spec_models import LAYOUT as SPEC_LAYOUT
+
+    if not (MEGATRON_LM_DIR / "pretrain_gpt.py").is_file():
+        pytest.skip(f"no Megatron-LM pretrain_gpt.py at {MEGATRON_LM_DIR}")
+    data = write_byte_data(str(tmp_path / "bytes"))
+    flags = common_flags(data, ENTRY_ITERS)
+    theirs = torchrun(1, [str(RUNNER)], ["--spec", "spec_models", "tiny", "--num-layers", "8", *MEGATRON_MOE_8X64,
+                                         *flags]).stdout
+    ours = torchrun(1, ["-m", "megatron_xmod.pretrain"], ["--xmod-routing-family", "xmod", "--xmod-layout", SPEC_LAYOUT,
+                                                          "--moe-preset", "moe-8x64", "--xmod-validation-continues",
+                                                          *flags]).stdout
+    assert parameter_counts(theirs) == {(0, 0): count_model(TINY, SPEC_LAYOUT + "+moe-8x64", 64).total_params}
+    their_losses, our_losses = train_losses(theirs), train_losses(ours)
+    assert sorted(their_losses) == list(range(1, ENTRY_ITERS + 1)), theirs[-3000:]
+    for iteration, loss in their_losses.items():
+        assert loss == pytest.approx(our_losses[iteration], rel=1e-6, abs=0), iteration
+
+
+@pytest.mark.slow
+def test_pp2_boundary_inside_a_sparse_block_reproduces_the_single_rank_losses(entry_reference):
+    """The token-choice bias crosses the pipeline boundary (stage 2 starts at layer 3, the second routed
+    layer of the first block) with MoE feed-forwards on both sides."""
+    data, checkpoint, _, _ = entry_reference
+    _assert_same_losses(entry_reference, _entry_run(2, data, "--load", str(checkpoint), "--no-load-optim",
+                                                    "--pipeline-model-parallel-size", "2",
+                                                    "--pipeline-model-parallel-layout", "Et*2|t*6L"))
