@@ -467,3 +467,19 @@ def test_pp2_boundary_inside_a_sparse_block_reproduces_the_single_rank_losses(en
     _assert_same_losses(entry_reference, _entry_run(2, data, "--load", str(checkpoint), "--no-load-optim",
                                                     "--pipeline-model-parallel-size", "2",
                                                     "--pipeline-model-parallel-layout", "Et*2|t*6L"))
+
+
+@pytest.mark.slow
+def test_tp2_sequence_parallel_with_padded_routed_batches_reproduces_the_single_rank_losses(tmp_path):
+    """L = 60 at K = 4 routes 15 tokens a sequence, which two sequence-parallel ranks split as 8 + 8 with
+    one padding row: the MoE must leave that row out of its losses and expert-bias loads (megatron's
+    padding_mask) for TP 2 + SP to train as one rank does."""
+    from entry_point_helpers import write_byte_data
+
+    data = write_byte_data(str(tmp_path / "bytes"))
+    checkpoint, length = tmp_path / "ckpt", ["--seq-length", "60", "--max-position-embeddings", "60"]
+    _entry_run(1, data, *length, "--save", str(checkpoint), "--save-interval", "1", "--exit-interval", "1")
+    reference = _entry_run(1, data, *length, "--load", str(checkpoint), "--no-load-optim")
+    _assert_same_losses((None, None, None, reference), _entry_run(
+        2, data, *length, "--load", str(checkpoint), "--no-load-optim", "--tensor-model-parallel-size", "2",
+        "--sequence-parallel"))
