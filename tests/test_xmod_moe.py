@@ -472,8 +472,10 @@ def test_pp2_boundary_inside_a_sparse_block_reproduces_the_single_rank_losses(en
 @pytest.mark.slow
 def test_tp2_sequence_parallel_with_padded_routed_batches_reproduces_the_single_rank_losses(tmp_path):
     """L = 60 at K = 4 routes 15 tokens a sequence, which two sequence-parallel ranks split as 8 + 8 with
-    one padding row: the MoE must leave that row out of its losses and expert-bias loads (megatron's
-    padding_mask) for TP 2 + SP to train as one rank does."""
+    one padding row, which the MoE leaves out of its losses and expert-bias loads (megatron's
+    padding_mask). This run checks that the padded path trains as one rank does; counting the padding row
+    moves these losses by less than 1e-5 over 4 steps (tried), so the loads test below is the one that
+    catches it."""
     from entry_point_helpers import write_byte_data
 
     data = write_byte_data(str(tmp_path / "bytes"))
@@ -483,3 +485,25 @@ def test_tp2_sequence_parallel_with_padded_routed_batches_reproduces_the_single_
     _assert_same_losses((None, None, None, reference), _entry_run(
         2, data, *length, "--load", str(checkpoint), "--no-load-optim", "--tensor-model-parallel-size", "2",
         "--sequence-parallel"))
+
+
+@pytest.mark.slow  # a torchrun worker
+def test_sequence_parallel_padding_row_is_left_out_of_the_expert_bias_loads():
+    """The discriminating check behind the run above (whose losses over 4 steps move by less than 1e-5
+    when the padding row is counted): at TP 2 + SP, the expert-bias loads of a routed layer summed over
+    the ranks are top-k x 15 x b, not top-k x 16 x b."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from entry_point_helpers import free_port
+
+    worker = os.path.join(os.path.dirname(__file__), "dist_worker_xmod_moe.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                             str(free_port()), worker], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    found = json.loads(line[len("RESULT "):])
+    assert found["loads"] == [found["real"]] * 2, found
