@@ -295,7 +295,7 @@ def test_moe_layer_freq_other_than_one_is_refused_in_a_routed_layout():
     from megatron_xmod.moe.model import moe_config_from_backbone
 
     with pytest.raises(ValueError, match="moe_layer_freq: "):
-        moe_config_from_backbone(dataclasses.replace(TINY), LAYOUT + "+moe-8x64", moe_layer_freq=2,
+        moe_config_from_backbone(TINY, LAYOUT + "+moe-8x64", moe_layer_freq=2,
                                  use_cpu_initialization=True)
 
 
