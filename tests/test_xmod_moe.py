@@ -507,3 +507,30 @@ def test_sequence_parallel_padding_row_is_left_out_of_the_expert_bias_loads():
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     found = json.loads(line[len("RESULT "):])
     assert found["loads"] == [found["real"]] * 2, found
+
+
+@pytest.mark.slow
+def test_launcher_dry_run_takes_the_combined_model():
+    """``MODEL=xmod-a4k8+moe-8x64`` through slurm/xmod_train.sh's DRY_RUN: megatron's validation at the
+    launcher's 64 ranks with the layout's 161 layers and the experts; the memory estimate refuses it
+    without expert parallelism (81.7 GiB a GPU) and passes it with EP 8 x ETP 1 (docs/moe.md)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(DRY_RUN="1", BACKBONE="1.65b", MODEL="xmod-a4k8+moe-8x64", XMOD_PY=sys.executable,
+               PYTHONPATH=str(root))
+
+    def launch(**extra):
+        return subprocess.run(["bash", str(root / "slurm" / "xmod_train.sh")], cwd=root, env={**env, **extra},
+                              capture_output=True, text=True, timeout=600)
+
+    refused = launch()
+    assert refused.returncode != 0 and "FAILED (memory)" in refused.stdout, refused.stdout[-3000:]
+    assert "layers 161, model xmod + 64 experts" in refused.stdout
+    passed = launch(EXTRA_ARGS="--expert-model-parallel-size 8 --expert-tensor-parallel-size 1")
+    assert passed.returncode == 0, passed.stdout[-3000:] + passed.stderr[-3000:]
+    assert "[dry-run] OK: world size 64" in passed.stdout
