@@ -21,6 +21,7 @@ an interrupted study resumes where it stopped. Results: bench/results/quality_<m
 
     .venv/bin/python bench/quality.py                      # 3 seeds x 3 models x L 256 and 1024 (~1 h, 2 cores)
     .venv/bin/python bench/quality.py --seeds 1 --seq-lengths 64 --dense-iters 4   # seconds: a smoke run
+    .venv/bin/python bench/quality.py --models dense,moe,xmod,xmod-moe   # depth x width (MoE 8:64 FFNs)
 """
 from __future__ import annotations
 
@@ -175,7 +176,8 @@ def _fmt_row(name: str, row: dict) -> str:
 
 
 def write_results(summary: dict, runs: list[dict], meta: dict, out: Path, tag: str) -> Path:
-    lines = [f"# Quality across seeds: Dense, MoD, X-MoD at equal training FLOPs and at equal wall clock ({meta['machine']})",
+    models = ", ".join(next(iter(summary.values()))["equal_flops_threshold"]) if summary else "no runs yet"
+    lines = [f"# Quality across seeds: {models} at equal training FLOPs and at equal wall clock ({meta['machine']})",
              "", f"- date: {meta['date']}; commit {meta['commit']}; CPU ISA {meta['isa']}; "
              f"load average before/after {meta['load_before']} / {meta['load_after']}",
              f"- models: the demo's (megatron_xmod.demo.MODELS), {meta['tokens_per_step']} tokens a step, the Dense model "

@@ -5,7 +5,8 @@ Conventions (the X-MoD paper's, checked against its Table 6):
 - activated-equivalent parameters (Eq.4/5): a sparse layer counts 1/K of its parameters, since a
   token passes through it with probability 1/K; the router sees every token and counts fully;
   an MoE layer counts its router, its shared experts and the routed experts a token activates
-  (T on average for DTop-p); the expert bias of the baselines is a buffer, not a parameter;
+  (T on average for DTop-p); the expert bias of the baselines is a buffer, not a parameter; a routed
+  layer with an MoE feed-forward counts 1/K of that (its whole MoE layer runs on the routed tokens);
 - forward FLOPs per token (Eq.24/25 made exact): 2 x activated non-embedding matmul parameters
   + 4 * L * (heads * head_dim) * sum over layers of (fraction routed * keys attended / L),
   attention counted at full length L (non-causal) and without the LM head; with document masks
@@ -59,23 +60,30 @@ class LayerCount(NamedTuple):
 
 
 def count_layer(b: Backbone, layer: LayoutLayer, family: str, moe: Optional[MoEModel] = None) -> LayerCount:
+    """One layer of a layout: dense, or routed with a token passing through it with probability
+    ``routed_fraction`` (its own layer scaled so, plus its router, which scores every token); the
+    feed-forward is the backbone's SwiGLU or, with ``moe``, the MoE layer (router, shared experts and
+    the routed experts a token activates)."""
     norms = layer_norm_params(b)
-    if moe is not None:
+    attention = attention_matmul_params(b)
+    if moe is None:
+        total = active_matmul = attention + mlp_matmul_params(b, b.ffn_hidden_size)
+        extra = 0  # parameters a token uses that are no matmul (besides the norms)
+    else:
         if moe.active_routed is None:
             raise ValueError(f"model: {moe.name}: a fixed-threshold Top-p model has no set number of active experts")
         expert = mlp_matmul_params(b, moe.expert_ffn_size(b.ffn_hidden_size))
         router = moe.routed_experts * b.hidden_size
-        temperature = 1 if moe.router_type == "dtopp" else 0  # DRN's theta_l
-        active_matmul = attention_matmul_params(b) + router + Fraction(moe.active_routed) * expert + moe.shared_experts * expert
-        total = attention_matmul_params(b) + norms + router + temperature + (moe.routed_experts + moe.shared_experts) * expert
-        return LayerCount(Fraction(total), active_matmul + norms + temperature, active_matmul, Fraction(1))
-    matmul = layer_matmul_params(b)
+        extra = 1 if moe.router_type == "dtopp" else 0  # DRN's theta_l
+        active_matmul = attention + router + (Fraction(moe.active_routed) + moe.shared_experts) * expert
+        total = attention + router + (moe.routed_experts + moe.shared_experts) * expert
     if not layer.is_sparse:
-        return LayerCount(Fraction(matmul + norms), Fraction(matmul + norms), Fraction(matmul), Fraction(1))
+        return LayerCount(Fraction(total + norms + extra), active_matmul + norms + extra, Fraction(active_matmul),
+                          Fraction(1))
     routed = layer.routed_fraction
     router = router_params(b, family)
-    return LayerCount(Fraction(matmul + norms + router), routed * (matmul + norms) + router,
-                      routed * matmul + b.hidden_size,  # every token is scored by the router
+    return LayerCount(Fraction(total + norms + extra + router), routed * (active_matmul + norms + extra) + router,
+                      routed * active_matmul + b.hidden_size,  # every token is scored by the router
                       routed * routed)
 
 
@@ -139,7 +147,8 @@ def count(model: ModelDescription, seq_len: int, mean_doc_length: Optional[float
     notation = layout.notation
     if moe is not None:
         d_e = moe.expert_ffn_size(b.ffn_hidden_size)
-        notation = f"MoE {moe.active_routed:g}:{moe.routed_experts}+{moe.shared_experts} d_e={d_e} ({moe.router_type})"
+        experts = f"MoE {moe.active_routed:g}:{moe.routed_experts}+{moe.shared_experts} d_e={d_e} ({moe.router_type})"
+        notation = experts if layout.num_sparse_layers == 0 else f"{notation} | {experts}"
     return ModelCount(
         backbone=b.name,
         layout=notation,

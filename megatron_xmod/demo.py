@@ -29,11 +29,15 @@ DEMO_BACKBONE = Backbone("demo", hidden_size=128, head_dim=32, num_attention_hea
                          ffn_hidden_size=384, num_layers=6, rotary_base=10000)
 # megatron on a CPU, megatron's compiled fusions off (training/flags.py); expanded by the entry point
 CPU_FLAGS = ["--xmod-cpu"]
-# Activated depth 6 for all three; K = 4 so that routing is visible at a 256-token context.
+# Activated depth 6 for all; K = 4 so that routing is visible at a 256-token context. A layout may end in
+# "+<MoE model>" (that MoE feed-forward in every layer): the width-sparse runs of bench/quality.py
+# (--models dense,moe,xmod,xmod-moe), not part of the demo's default three.
 MODELS = {
     "dense": ("dense", "D*6"),
     "mod": ("mod", "D + (S4 + D)*4"),
     "xmod": ("xmod", "D*2 + (S4*4 + D)*2"),
+    "moe": ("dense", "D*6+moe-8x64"),
+    "xmod-moe": ("xmod", "D*2 + (S4*4 + D)*2+moe-8x64"),
 }
 
 
@@ -77,13 +81,15 @@ def _train(name: str, iters: int, args, corpus_args: list[str], out: Path) -> Pa
     """Train with periodic validation (the curve), then evaluate the final checkpoint once more with
     ``--skip-train --load``: megatron then reads the held-out sets from their start, so every model is
     scored on the same sequences (paired, like the paper's shared validation shards)."""
-    from megatron_xmod.presets import backbone_flags
+    from megatron_xmod.presets import backbone_flags, split_model_name
 
-    family, layout = MODELS[name]
+    family, model = MODELS[name]
+    layout, moe = split_model_name(model)
     run_dir = out / name
     run_dir.mkdir(parents=True, exist_ok=True)
     common = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
               "-m", "megatron_xmod.pretrain", "--xmod-routing-family", family, "--xmod-layout", layout,
+              *(["--moe-preset", moe] if moe else []),
               *backbone_flags(DEMO_BACKBONE), *CPU_FLAGS, *corpus_args,
               "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
               "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
@@ -144,12 +150,12 @@ def read_run(run_dir: Path) -> dict:
 
 def _accounting(name: str, seq_length: int, vocab_size: int = DEMO_BACKBONE.vocab_size):
     """FLOPs/token (vocabulary-free: no LM head) and parameters of one demo model."""
-    from megatron_xmod.accounting import count_model
-    from megatron_xmod.xmod.layout import parse_layout
+    from megatron_xmod.accounting import count
+    from megatron_xmod.presets import parse_model
 
-    family, layout = MODELS[name]
+    family, model = MODELS[name]
     backbone = dataclasses.replace(DEMO_BACKBONE, vocab_size=vocab_size)
-    return count_model(backbone, parse_layout(layout, family), seq_length)
+    return count(parse_model(model, backbone, family=family), seq_length)
 
 
 def run(args) -> int:

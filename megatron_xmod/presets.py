@@ -163,15 +163,38 @@ class ModelDescription:
         return self.layout.family
 
 
+COMBINED_SEPARATOR = "+"
+
+
+def split_model_name(name: str) -> tuple[Optional[str], Optional[str]]:
+    """(depth part, MoE part) of a model name: ``xmod-a4k8+moe-8x64`` -> ("xmod-a4k8", "moe-8x64"),
+    ``moe-8x64`` -> (None, "moe-8x64"), ``xmod-a4k8`` -> ("xmod-a4k8", None). The MoE part follows the
+    last ``+``, so a layout string with its own ``+`` takes one too (``D*4 + (S8*8 + D)*3+moe-8x64``)."""
+    head, separator, tail = name.rpartition(COMBINED_SEPARATOR)
+    if separator and is_moe_model_name(tail.strip()):
+        depth = head.strip()
+        if not depth or is_moe_model_name(depth):
+            raise ValueError(f"model: {name!r}: the part before {COMBINED_SEPARATOR}{tail.strip()} must be a depth model "
+                             "(dense, mod, mod-k<K>, xmod-a<A>k<K> or a layout), e.g. xmod-a4k8+moe-8x64")
+        return depth, tail.strip()
+    if is_moe_model_name(name):
+        return None, name
+    return name, None
+
+
 def parse_model(name: str, backbone: Backbone, dense_prefix: int = 4, family: Optional[str] = None) -> ModelDescription:
     """``dense``, ``mod``, ``mod-k<K>``, ``xmod-a<A>k<K>``, a layout string (X-MoD unless
-    ``family`` says mod), ``moe-8x64`` / ``moe-8x128`` and the DTop-p / Top-p names.
+    ``family`` says mod), ``moe-8x64`` / ``moe-8x128``, the DTop-p / Top-p names, and a depth model
+    with an MoE feed-forward, ``<depth>+<moe>`` (``xmod-a4k8+moe-8x64``, ``mod+dtopp-t6``).
 
     Routed names derive their layout for the backbone's activated depth (``num_layers``); an MoE
-    model puts experts in every one of those layers.
+    model puts experts in every layer of its layout (the dense depth when it names no depth model).
     """
-    if is_moe_model_name(name):
-        moe = parse_moe_model(name)
-        return ModelDescription(name, backbone, parse_layout(f"D*{backbone.num_layers}"), moe)
-    layout = layout_from_model_name(name, activated_depth=backbone.num_layers, dense_prefix=dense_prefix, family=family)
-    return ModelDescription(name, backbone, layout)
+    depth, width = split_model_name(name)
+    moe = None if width is None else parse_moe_model(width)
+    if depth is None:
+        layout = parse_layout(f"D*{backbone.num_layers}")
+    else:
+        layout = layout_from_model_name(depth, activated_depth=backbone.num_layers, dense_prefix=dense_prefix,
+                                        family=family)
+    return ModelDescription(name, backbone, layout, moe)

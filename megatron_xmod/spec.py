@@ -16,7 +16,10 @@ Any other layout: write a module of your own with ::
     from megatron_xmod.spec import layout_spec
     my_model = layout_spec("D*4 + (S8*8 + D)*4", family="xmod", token_choice_bias_tau=0.5)
 
-and launch with ``--spec my_module my_model``. Megatron swallows an ImportError of ``--spec``'s
+and launch with ``--spec my_module my_model``. With megatron's MoE flags (``--num-experts`` ...; the
+X-MoD paper's 8:64 baseline is listed in docs/moe.md) every layer of the layout, routed ones included,
+gets megatron's MoE layer with :class:`~megatron_xmod.moe.router.BaselineTopKRouter` (a routed layer
+runs it on its routed tokens); the DTop-p router needs our entry point. Megatron swallows an ImportError of ``--spec``'s
 module and then trains its default dense model: check a launch beforehand with ::
 
     python -m megatron_xmod.spec my_module my_model --num-layers 16
@@ -107,6 +110,13 @@ def _layer_submodules(config, submodules):
     if submodules is not None and not isinstance(submodules, LayoutSubmodules):
         return submodules
     built = get_layer_submodules(config, resolve_use_transformer_engine(config, None))
+    if config.num_moe_experts is not None:  # megatron's MoE flags: its TopKRouter with the guards routed layers need
+        from megatron_xmod.moe.model import with_moe_router
+        from megatron_xmod.moe.router import BaselineTopKRouter
+
+        # A routed batch may end in padding rows (sequence parallelism's), which megatron 0.19's own expert-bias
+        # count cannot mask; BaselineTopKRouter is TopKRouter bit for bit otherwise (megatron_xmod.moe.router).
+        built = with_moe_router(built, BaselineTopKRouter)
     core_attention = None if submodules is None else submodules.self_attention.submodules.core_attention
     if core_attention is None:
         return built

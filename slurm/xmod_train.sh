@@ -18,6 +18,7 @@
 #            multiple of 2 x CP, x TP with sequence parallelism); the GPUs of a replica are TP x PP x CP
 #   GBS      sequences per step (80)              MBS micro-batch size (1)
 #   BACKBONE 165m|298m|556m|936m|1.65b (1.65b)    MODEL dense|mod|xmod-a4k8|xmod-a3k16|moe-8x64|moe-8x128|<layout>
+#                                                  or <depth>+<moe> (xmod-a4k8+moe-8x64: the MoE in every layer)
 #   FLOPS    training compute C (2.5e20); ITERS overrides the iterations derived from it
 #   DATA     Megatron .bin/.idx prefix (or a weighted blend "0.5 a 0.5 b"); "mock" = --mock-data
 #            (DRY_RUN without DATA validates with --mock-data)

@@ -6,6 +6,8 @@ KINDS, SEQ, build_megatron, hf_twin, megatron_logits.)
 import torch
 from helpers import TINY
 
+from megatron_xmod.presets import split_model_name
+
 SEQ = 64
 # kind -> (layout or MoE model name, config overrides)
 KINDS = {
@@ -15,6 +17,10 @@ KINDS = {
     "xmod": ("D + (S4*2 + D)*2 + D", {"xmod_routing_family": "xmod"}),
     "moe": ("moe-8x64", {"num_moe_experts": 8, "moe_router_topk": 2}),
     "dtopp": ("dtopp-t2-e8", {}),
+    # routed layers whose feed-forward is the MoE layer (issue 24), dense anchors and prefix MoE too
+    "xmod-moe": ("D + (S4*2 + D)*2 + D+moe-8x64", {"xmod_routing_family": "xmod", "num_moe_experts": 8,
+                                                    "moe_router_topk": 2}),
+    "mod-dtopp": ("D + (S4 + D)*2 + D+dtopp-t2-e8", {"xmod_routing_family": "mod"}),
 }
 
 
@@ -23,7 +29,7 @@ def build_megatron(kind: str):
     from megatron_xmod.model import build_gpt_model, config_from_backbone, sparse_layers
 
     layout, overrides = KINDS[kind]
-    if kind in ("moe", "dtopp"):
+    if split_model_name(layout)[1] is not None:  # experts
         from megatron_xmod.moe.model import build_moe_gpt_model, moe_config_from_backbone
 
         config = moe_config_from_backbone(TINY, layout, use_cpu_initialization=True, **overrides)
@@ -37,6 +43,8 @@ def build_megatron(kind: str):
                     module.dtopp_threshold.fill_(0.62)
                 if getattr(module, "drn_scale", None) is not None:
                     module.drn_scale.fill_(1.7)
+            for layer in sparse_layers(model):
+                layer.router.weight.mul_(20.0)
     else:
         config = config_from_backbone(TINY, layout, use_cpu_initialization=True, **overrides)
         model = build_gpt_model(config, TINY.vocab_size, SEQ, rotary_base=TINY.rotary_base)

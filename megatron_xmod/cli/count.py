@@ -17,7 +17,8 @@ def register(subparsers) -> None:
                         f"{', '.join(BACKBONE_FILE_FIELDS)} (num_layers = the activated depth)")
     p.add_argument("--model", action="append", default=None,
                    help=f"dense, mod, mod-k<K>, xmod-a4k8, xmod-a3k16, xmod-a<A>k<K>, {', '.join(MOE_MODEL_NAMES)}, "
-                        "or a layout such as 'D*4 + (S8*8 + D)*4'; repeat for a table (default: the paper's four, "
+                        "a layout such as 'D*4 + (S8*8 + D)*4', or <depth>+<moe> (xmod-a4k8+moe-8x64: the MoE "
+                        "feed-forward in every layer of the layout); repeat for a table (default: the paper's four, "
                         "less those the backbone cannot build)")
     p.add_argument("--seq-len", type=int, default=32768)
     p.add_argument("--mean-doc-length", type=float, default=None,

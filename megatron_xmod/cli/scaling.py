@@ -71,6 +71,9 @@ def register(subparsers) -> None:
     p.add_argument("--dense-curve", default=None,
                    help="wall-clock mode: CSV with columns tokens, loss of the dense model at this L and backbone")
     p.add_argument("--hours", type=float, default=None, help="wall-clock mode: training time budget")
+    p.add_argument("--moe", default=None, metavar="MODEL",
+                   help="an MoE model (moe-8x64, dtopp-t6, ...) as every layer's feed-forward: the plan is the law's "
+                        "(fitted without MoE), and the chosen layout is also counted as <layout>+MODEL")
     p.add_argument("--all", action="store_true", help="print every feasible candidate, best first")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=run_plan)
@@ -94,6 +97,15 @@ def register(subparsers) -> None:
     f.add_argument("--maxiter", type=int, default=200, help="differential evolution generations")
     f.add_argument("--json", action="store_true", help="print the report as JSON")
     f.set_defaults(func=run_fit)
+
+
+def _with_moe(backbone: Backbone, layout, moe: str, seq_len: int):
+    """The count of ``layout`` with the MoE model ``moe`` as every layer's feed-forward."""
+    from megatron_xmod.accounting import count
+    from megatron_xmod.moe.presets import parse_moe_model
+    from megatron_xmod.presets import ModelDescription
+
+    return count(ModelDescription(f"{layout.notation}+{moe}", backbone, layout, parse_moe_model(moe)), seq_len)
 
 
 def _fmt(n: float) -> str:
@@ -172,7 +184,17 @@ def run_plan(args) -> int:
         plan = plan_flops(backbone, args.seq_len, params, grid, k_max, args.dense_prefix, cap, n_act)
     if basis:
         plan.warnings.insert(0, basis)
+    combined = None
+    if args.moe:
+        combined = _with_moe(backbone, plan.best.design.layout, args.moe, args.seq_len)
+        plan.warnings.append(
+            f"the law was fitted on X-MoD with dense feed-forwards, without MoE: K, A and Delta are that model's; "
+            f"with {args.moe} in every layer the layout counts N = {_fmt(combined.total_params)}, N_act = "
+            f"{_fmt(combined.active_params)}, phi/phi_D = {combined.flops_ratio_vs_dense:.3f} (vs the dense model "
+            "of the same activated depth), and no run has measured how depth and width sparsity combine in the loss")
     result = plan.to_dict()
+    if combined is not None:
+        result["moe"] = {"model": args.moe, **combined.to_dict()}
     if args.json:
         if not args.all:
             result.pop("candidates")

@@ -173,8 +173,6 @@ class XModHFConfig(PretrainedConfig):
                  f"{name}: must be a finite number >= 0, got {value!r}")
         if not self.is_moe:
             return
-        need(not has_sparse, "num_experts: MoE feed-forward inside routed layers is not supported (megatron_xmod "
-                             "refuses it too); use a dense layout with experts")
         need(isinstance(self.num_experts, int) and self.num_experts >= 1,
              f"num_experts: must be an integer >= 1, got {self.num_experts!r}")
         need(isinstance(self.moe_intermediate_size, int) and self.moe_intermediate_size >= 1,

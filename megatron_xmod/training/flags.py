@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_xmod.moe.presets import is_moe_model_name
-from megatron_xmod.presets import BACKBONES, backbone_flags, resolve_backbone
+from megatron_xmod.presets import BACKBONES, backbone_flags, resolve_backbone, split_model_name
 from megatron_xmod.xmod.layout import (
     ROUTING_FAMILIES,
     LayoutError,
@@ -52,7 +51,8 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "the activated depth named models are derived for")
     group.add_argument("--xmod-model", default=None,
                        help="named model: dense, mod, mod-k<K>, xmod-a<A>k<K> (xmod-a4k8, xmod-a3k16), a layout, "
-                            "or an MoE name (same as --moe-preset)")
+                            "an MoE name (same as --moe-preset), or <depth>+<moe> (xmod-a4k8+moe-8x64: the layout "
+                            "with that MoE feed-forward in every layer)")
     group.add_argument("--xmod-routing-family", dest="xmod_routing_family", default="dense", choices=ROUTING_FAMILIES,
                        help="dense, mod (Eq.6: x + a + r f) or xmod (Eq.7: x + s r (a + f)) for every sparse layer")
     group.add_argument("--xmod-sparsity-k", dest="xmod_sparsity_k", type=int, default=None,
@@ -161,13 +161,16 @@ def expand_arguments(argv: list[str]) -> list[str]:
     if pre.xmod_model:
         if pre.xmod_layout:
             raise LayoutError("xmod_model: give either --xmod-model or --xmod-layout")
-        if is_moe_model_name(pre.xmod_model):  # experts in every layer of the dense depth: a --moe-preset
-            if pre.moe_preset is not None and pre.moe_preset != pre.xmod_model:
-                raise LayoutError(f"xmod_model: {pre.xmod_model!r} disagrees with --moe-preset {pre.moe_preset}")
-            argv = argv + ["--moe-preset", pre.xmod_model]
+        depth, width = split_model_name(pre.xmod_model)
+        if width is not None:  # experts in every layer of the layout (the dense depth without one): a --moe-preset
+            if pre.moe_preset is not None and pre.moe_preset != width:
+                raise LayoutError(f"xmod_model: {pre.xmod_model!r} disagrees with --moe-preset {pre.moe_preset}; "
+                                  "drop one of them")
+            argv = argv + ["--moe-preset", width]
+        if depth is None:
             layout = resolve_layout("dense", activated_depth=activated or 28)
         else:
-            layout = layout_from_model_name(pre.xmod_model, activated_depth=activated or 28,
+            layout = layout_from_model_name(depth, activated_depth=activated or 28,
                                             dense_prefix=4 if dense_prefix is None else dense_prefix)
     else:
         layout = resolve_layout(pre.xmod_routing_family, num_layers=None if activated else pre.num_layers,
@@ -176,8 +179,8 @@ def expand_arguments(argv: list[str]) -> list[str]:
     # From here on the layout is explicit: the config re-validates it against --num-layers.
     argv = drop_flags(argv, _LAYOUT_FLAGS)
     tail = ["--xmod-routing-family", layout.family, "--xmod-layout", layout.notation]
-    if pre.xmod_model and not is_moe_model_name(pre.xmod_model):
-        tail += ablation_flags(pre.xmod_model, argv, pre)
+    if pre.xmod_model and depth is not None:
+        tail += ablation_flags(depth, argv, pre)
     if pre.num_layers is None:
         head += ["--num-layers", str(layout.num_layers)]
     if layout.num_sparse_layers:

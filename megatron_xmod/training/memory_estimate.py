@@ -239,7 +239,7 @@ def estimate(description: ModelDescription, seq_len: int, parallel: Parallel,
     activations under 1F1B; the embedding and, for the estimate, the LM head are counted on it too).
 
     An MoE model (``description.moe``, or ``moe`` from a launch's flags) has megatron's MoE layer in
-    every layer of its layout; its routed experts are split over EP x ETP ranks and their optimizer
+    every layer of its layout (a routed layer runs it on its L/K routed tokens); its routed experts are split over EP x ETP ranks and their optimizer
     state over the expert data-parallel ranks (TP x DP / (EP x ETP))."""
     p = parallel
     b, layout = description.backbone, description.layout
@@ -259,9 +259,9 @@ def estimate(description: ModelDescription, seq_len: int, parallel: Parallel,
         dense_part, expert_part = moe.params(b, tp, p.ep, etp)
         layer_params, expert_params = layout.num_layers * dense_part, layout.num_layers * expert_part
     else:
-        layer_params = sum(layer_matmul_params(b) / tp + layer_norm_params(b)
-                           + (router_params(b, layout.family) if layer.is_sparse else 0) for layer in layout.layers)
+        layer_params = layout.num_layers * (layer_matmul_params(b) / tp + layer_norm_params(b))
         expert_params = 0.0
+    layer_params += layout.num_sparse_layers * router_params(b, layout.family)
     params = layer_params / p.pp + embedding_params(b) / tp  # input embedding + LM head (untied)
     experts = expert_params / p.pp
     weights = (params + experts) * e
@@ -280,11 +280,15 @@ def estimate(description: ModelDescription, seq_len: int, parallel: Parallel,
         if p.recompute == "full":  # every layer keeps its input (the checkpoint), full length
             dense += block_base_bytes(b, local, e, tp, sp)
             continue
-        if moe is not None:
-            moe_layers += moe_layer_bytes(b, moe, tokens, e, tp, sp, p.recompute, p.ep, etp)
-        elif layer.is_sparse:
+        if layer.is_sparse:
             routed += routed_layer_bytes(b, tokens, layer.sparsity_k, layout.family, e, tp, sp, p.recompute, p.cp)
+            if moe is not None:  # its layer runs megatron's MoE layer, not the dense one, on the routed tokens
+                inner = tokens / layer.sparsity_k
+                routed += (moe_layer_bytes(b, moe, inner, e, tp, sp, p.recompute, p.ep, etp)
+                           - dense_layer_bytes(b, inner, e, tp, sp, p.recompute))
             blocks.add(layer.block)
+        elif moe is not None:
+            moe_layers += moe_layer_bytes(b, moe, tokens, e, tp, sp, p.recompute, p.ep, etp)
         else:
             dense += dense_layer_bytes(b, local, e, tp, sp, p.recompute) + gathered_kv_bytes(b, local, e, tp, p.cp)
     bases = len(blocks) * block_base_bytes(b, local, e, tp, sp)

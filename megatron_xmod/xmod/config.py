@@ -181,5 +181,8 @@ def check_routing_compatibility(config: TransformerConfig, token_choice_bias_tau
             "apply_rope_fusion: routed layers apply RoPE at per-sequence gathered positions, which the "
             "fused kernel does not support; set apply_rope_fusion=False (--no-rope-fusion)"
         )
-    if config.num_moe_experts is not None:
-        raise ValueError("num_moe_experts: MoE feed-forward inside routed layers is not supported")
+    # A megatron MoELayer feed-forward (num_moe_experts) is supported: a routed layer hands it only its
+    # routed subsequence, so the MoE router, its losses and the expert-bias loads see only routed tokens.
+    if config.num_moe_experts is not None and getattr(config, "moe_layer_freq", 1) != 1:
+        raise ValueError(f"moe_layer_freq: a routed layout with experts has megatron's MoE feed-forward in every layer, "
+                         f"got {config.moe_layer_freq!r}; leave --moe-layer-freq at 1")

@@ -540,7 +540,8 @@ class XModSparseLayer(TransformerLayer):
         backend, check = (None, None) if valid is None else ("torch", False)
         routed = gather_tokens(hidden_states, indices, backend=backend, check=check)
         attention_mask = _routed_document_mask(document_mask, indices) if batch_mask is None else batch_mask
-        attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
+        attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask,
+                                                 None if valid is None else ~valid)
         if gate is None:
             gate = torch.sigmoid(torch.gather(scores, 0, indices))
         r = gate.to(hidden_states.dtype)  # [k, b]
@@ -579,8 +580,10 @@ class XModSparseLayer(TransformerLayer):
         routed = reduce_scatter_to_sequence_parallel_region(rows, group=group)  # [(k + pad) / T, b, h]
         # the end padding comes last: causal suffices
         attention_mask = _routed_document_mask(document_mask, indices) if batch_mask is None else batch_mask
-        attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask)
         part = slice(rank * routed.shape[0], (rank + 1) * routed.shape[0])
+        padding = None if valid is None and not pad else ~real[part]
+        attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask,
+                                                 padding)
         r = (torch.sigmoid(torch.gather(scores, 0, indices[part])) if gate is None else
              torch.cat([gate, gate.new_zeros(pad, batch)])[part]).to(hidden_states.dtype)
         keep = real[part].to(r.dtype)
@@ -637,15 +640,18 @@ class XModSparseLayer(TransformerLayer):
         allowed[:, own, rank * width + own] = True
         return rows[:, rank], real[:, rank], ~allowed.unsqueeze(1)
 
-    def _attention_and_mlp(self, x, rotary_pos_emb, attention_mask=None):
-        """The attention update a and MLP update f of this layer on the routed subsequence x."""
+    def _attention_and_mlp(self, x, rotary_pos_emb, attention_mask=None, padding=None):
+        """The attention update a and MLP update f of this layer on the routed subsequence x; ``padding``
+        [k, b] (True: a padding row of x), which a megatron MoE feed-forward leaves out of its router
+        losses and expert-bias loads."""
         normed = self.input_layernorm(x)
         normed = normed[0] if isinstance(normed, tuple) else normed
         attention, attention_bias = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         attention = self._dropout(attention, attention_bias)
         normed = self.pre_mlp_layernorm(x + attention)
         normed = normed[0] if isinstance(normed, tuple) else normed
-        mlp, mlp_bias = self.mlp(normed)
+        moe_padding = dict(padding_mask=padding.t()) if padding is not None and self.is_moe_layer else {}
+        mlp, mlp_bias = self.mlp(normed, **moe_padding)  # megatron's MoELayer takes the mask as [b, k]
         return attention, self._dropout(mlp, mlp_bias)
 
     def _dropout(self, output, bias):
