@@ -507,11 +507,9 @@ class XModSparseLayer(TransformerLayer):
             return torch.empty(0, dtype=torch.long, device=self.router.weight.device)
         if self.cp_group is not None:  # positions -> rows of this CP rank's slice (others' tokens: row 0)
             cp_len = local_len * self._sequence_shards()
-            positions = load_balanced_positions(cp_len * self._cp_size(), self._cp_size(), str(indices.device))
-            rows = torch.full((cp_len * self._cp_size(),), -1, dtype=torch.long, device=indices.device)
-            rows[positions[self.cp_group.rank()]] = torch.arange(cp_len, device=indices.device)
-            local = rows[indices]
-            indices = torch.where(local >= 0, local, 0)
+            gathered = _sequence_order(cp_len * self._cp_size(), self._cp_size(), str(indices.device))[indices]
+            local = gathered - self.cp_group.rank() * cp_len  # the gathered order is rank-major
+            indices = torch.where((local >= 0) & (local < cp_len), local, 0)
         if self.config.sequence_parallel and indices.shape[0] >= local_len:
             return torch.arange(local_len * indices.shape[1], device=indices.device)
         if self.config.sequence_parallel:
