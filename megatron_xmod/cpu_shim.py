@@ -1,6 +1,6 @@
 """The CPU shim: megatron-core 0.19.2 (and ``megatron.training.pretrain``) on a machine without a GPU.
 
-Patches 1-11 and 21, each naming the megatron line it targets (paths relative to ``megatron/core`` or
+Patches 1-11, 21 and 27, each naming the megatron line it targets (paths relative to ``megatron/core`` or
 ``megatron/training`` of the wheel; re-check them when the pin moves). Nothing here runs where
 ``torch.cuda.is_available()``: GPU runs never see these patches. The CUDA build of torch imports fine
 without a driver, but every CUDA call raises, and megatron calls CUDA unconditionally in a handful of
@@ -144,6 +144,12 @@ def _install_core() -> None:
         return tensor.detach().cpu().numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _to_host
+    # 27. dp-one: distributed/param_and_grad_buffer.py:712 (start_grad_sync) reduce-scatters every
+    #     gradient bucket and :515 (start_param_sync) all-gathers the parameters over the data-parallel
+    #     group even when it has one rank. Gloo runs that as a copy of the whole buffer (a 127M-parameter
+    #     model: ~0.5 GB per step, the X-MoD models 5-10x Dense's), which a single-rank bench then times
+    #     as part of the step. With one rank both are the identity.
+    _single_rank_buffer_collectives()
     # 21. sp-norm: transformer/torch_norm.py:50 WrappedTorchNorm.__new__ asserts not
     #     config.sequence_parallel; GPU runs use TransformerEngine's TENorm, which supports it.
     _sequence_parallel_torch_norm()
@@ -184,6 +190,28 @@ def _sequence_parallel_torch_norm() -> None:
         return norm
 
     WrappedTorchNorm.__new__ = __new__
+
+
+def _single_rank_buffer_collectives() -> None:
+    """Patch 27: the grad reduce-scatter and parameter all-gather of megatron's DDP buffers, synchronous
+    and over a one-rank group, become the copy they are (none when output and input share memory, as
+    megatron's shard of the whole buffer does). Asynchronous calls (--overlap-grad-reduce) keep the
+    collective: the coalescing manager waits on the work they return."""
+    import megatron.core.distributed.param_and_grad_buffer as buffers
+
+    def one_rank(collective):
+        @functools.wraps(collective)
+        def call(output, input, *args, group=None, async_op=False, **kwargs):
+            if async_op or torch.distributed.get_world_size(group) != 1:
+                return collective(output, input, *args, group=group, async_op=async_op, **kwargs)
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input.view_as(output))
+            return None
+
+        return call
+
+    buffers.dist_reduce_scatter_func = one_rank(buffers.dist_reduce_scatter_func)
+    buffers.dist_all_gather_func = one_rank(buffers.dist_all_gather_func)
 
 
 def _install_training() -> None:

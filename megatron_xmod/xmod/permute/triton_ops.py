@@ -135,9 +135,11 @@ def scatter_add_gated(x, y: torch.Tensor, gate, idx: torch.Tensor, s: int) -> to
 
 def scatter_backward(go, y, gate, idx, need_y: bool, need_gate: bool):
     k, b, h = y.shape
+    launch = bool(k * b and h)
     gy = torch.empty_like(y) if need_y else None
-    gg = torch.zeros_like(gate) if need_gate else None
-    if (need_y or need_gate) and k * b and h:
+    # Every program writes its row's gate gradient: zeros only when no program runs (h == 0).
+    gg = (torch.empty_like(gate) if launch else torch.zeros_like(gate)) if need_gate else None
+    if (need_y or need_gate) and launch:
         bh = _block_h(h)
         with torch.profiler.record_function("triton::scatter_backward"):
             _scatter_backward_kernel[(k * b,)](

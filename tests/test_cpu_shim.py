@@ -1,0 +1,46 @@
+"""The CPU shim's patch 27: megatron's DDP buffer collectives over a one-rank group are the copy they are."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["dist_reduce_scatter_func", "dist_all_gather_func"])
+def test_one_rank_buffer_collective_is_a_copy(megatron_parallel, name):
+    import megatron.core.distributed.param_and_grad_buffer as buffers
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU shim is not installed where CUDA is available")
+    patched = getattr(buffers, name)
+    group = megatron_parallel.get_data_parallel_group()
+    assert torch.distributed.get_world_size(group) == 1
+    buffer = torch.randn(64)
+    shard = buffer.view(-1)  # megatron's shard of a one-rank group: the whole buffer
+    expected = buffer.clone()
+    kwargs = dict(group=group, async_op=False)
+    if name == "dist_reduce_scatter_func":
+        kwargs["op"] = torch.distributed.ReduceOp.SUM
+    output, input = (shard, buffer) if name == "dist_reduce_scatter_func" else (buffer, shard)
+
+    with _Ops() as ops:  # the patched call: no collective, no op at all when the memory is shared
+        assert patched(output, input, **kwargs) is None
+    assert ops.names == [] and torch.equal(buffer, expected)
+
+    elsewhere = torch.empty(64)
+    with _Ops() as ops:  # a separate output receives the input (the sum over one rank)
+        patched(elsewhere, buffer, **kwargs)
+    assert [n for n in ops.names if n != "aten.view"] == ["aten.copy_"] and torch.equal(elsewhere, expected)
+
+    with _Ops() as ops:  # what megatron would call without the patch: gloo's collective
+        patched.__wrapped__(output, input, **kwargs)
+    assert any(n.startswith("c10d.") for n in ops.names), ops.names
+    assert torch.equal(buffer, expected)
