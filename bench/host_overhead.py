@@ -55,6 +55,12 @@ PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 GRAPH_LAUNCH_US = 10.0
 GRAPHS_PER_LAYER = 2  # megatron's per-layer CUDA graphs: one for the forward, one for the backward
 HEADLINE = dict(backbone="1.65b", seq_len=32768, tp=8, micro_batch=1)
+# Inter-node bandwidth per GPU, one direction (bytes/s): DGX A100 has one 200 Gb/s HDR InfiniBand
+# port per GPU, DGX H100 / H200 one 400 Gb/s NDR port per GPU (NVIDIA's DGX datasheets).
+LINK_BYTES_PER_S = {"A100": 25e9, "H100": 50e9, "H200": 50e9}
+# Per optimizer step, the paper's protocol (80 sequences a step on 8 GPUs: 10 micro-batches a GPU),
+# and a data-parallel group across nodes (TP 8 fills a node: DP = the number of nodes).
+DP_STEP = dict(dp=8, micro_batches=10)
 
 
 # ------------------------------------------------------------------------------------ 1. layers
@@ -179,11 +185,24 @@ def step_model(flops_per_token, seq_len, tp, n_dense, n_sparse, dense_launches, 
                 graphed_host_s=graphed_s, eager_factor=eager_s / device_s, graphed_factor=graphed_s / device_s)
 
 
+def dp_sync_model(total_params, tp, dp, link_bytes_per_s, grad_bytes=4, param_bytes=2):
+    """Bytes and seconds per optimizer step that one GPU moves for megatron's distributed optimizer over
+    a data-parallel group of ``dp`` ranks (ring collectives): the reduce-scatter of the fp32 gradient
+    buffer and the all-gather of the bf16 parameters, each (dp - 1) / dp of this GPU's share
+    total_params / TP. Every parameter counts, not only the activated ones: X-MoD's 5-10x Dense's
+    parameters (``xmod count``, column N) move 5-10x the bytes whatever the FLOPs per token."""
+    per_gpu = total_params / tp
+    moved = per_gpu * (grad_bytes + param_bytes) * (dp - 1) / dp
+    return dict(dp=dp, dp_bytes=moved, dp_sync_s=moved / link_bytes_per_s)
+
+
 def headline_table(layer_rows, us_per_launch, mfu=0.45, gpus=tuple(PEAK_BF16_FLOPS), models=MODELS,
                    backbone=HEADLINE["backbone"], seq_len=HEADLINE["seq_len"], tp=HEADLINE["tp"],
-                   graph_launch_us=GRAPH_LAUNCH_US, cpu_us_per_launch=None) -> list[dict]:
+                   graph_launch_us=GRAPH_LAUNCH_US, cpu_us_per_launch=None, dp_step=DP_STEP) -> list[dict]:
     """The step model of every model x GPU; with ``cpu_us_per_launch`` also the eager host time on
-    the CPU-time basis (``eager_host_cpu_s``, ``eager_cpu_factor``)."""
+    the CPU-time basis (``eager_host_cpu_s``, ``eager_cpu_factor``); per optimizer step of
+    ``dp_step['micro_batches']`` micro-batches, the data-parallel sync over ``dp_step['dp']`` ranks
+    (:func:`dp_sync_model`) and its share of the step if nothing overlaps it."""
     b = get_backbone(backbone)
     launches = {r["layer"]: r["forward_launches"] + r["backward_launches"] for r in layer_rows}
     rows = []
@@ -199,6 +218,12 @@ def headline_table(layer_rows, us_per_launch, mfu=0.45, gpus=tuple(PEAK_BF16_FLO
             if cpu_us_per_launch is not None:
                 predicted["eager_host_cpu_s"] = predicted["launches"] * cpu_us_per_launch * 1e-6
                 predicted["eager_cpu_factor"] = predicted["eager_host_cpu_s"] / predicted["device_s"]
+            # Per optimizer step: the micro-batches' device time against the data-parallel sync (not overlapped).
+            synced = dp_sync_model(counted.total_params, tp, dp_step["dp"], LINK_BYTES_PER_S[gpu])
+            step_device_s = dp_step["micro_batches"] * predicted["device_s"]
+            predicted.update(synced, total_params=counted.total_params, micro_batches=dp_step["micro_batches"],
+                             step_device_s=step_device_s,
+                             dp_sync_fraction=synced["dp_sync_s"] / (step_device_s + synced["dp_sync_s"]))
             rows.append(dict(model=m, gpu=gpu, num_layers=description.layout.num_layers,
                              flops_per_token=counted.flops_per_token, mfu=mfu, **predicted))
     return rows
@@ -349,6 +374,20 @@ def render_markdown(meta, layers, steps, model_rows, graphs, profiled) -> str:
         out.append(f"| {r['model']} | {r['gpu']} | {r['num_layers']} | {r['flops_per_gpu']:.2e} | {r['device_s'] * 1e3:.0f} | "
                    f"{r['launches']} | {r['eager_host_s'] * 1e3:.0f} | {r['eager_factor']:.2f}x | {cpu_basis} | "
                    f"{r['graphed_host_s'] * 1e3:.1f} | {r['graphed_factor']:.3f}x |")
+    if model_rows and "dp_sync_s" in model_rows[0]:
+        r0 = model_rows[0]
+        out += ["", f"## Per optimizer step: {r0['micro_batches']} micro-batches and the data-parallel sync over "
+                f"DP {r0['dp']} (TP {h['tp']})", "",
+                "Megatron's distributed optimizer reduce-scatters the fp32 gradients and all-gathers the bf16 "
+                "parameters once a step: (DP - 1) / DP x N / TP x 6 bytes per GPU, over one InfiniBand port per "
+                "GPU (A100 200 Gb/s, H100/H200 400 Gb/s). N counts every parameter, so X-MoD's sync grows with "
+                "its physical depth, not its FLOPs. Megatron overlaps the sync with the last backward and the "
+                "first forward (--overlap-grad-reduce, --overlap-param-gather); the share is the cost if it did not.", "",
+                "| model | GPU | N | GB per GPU | sync ms | micro-batches' device ms | sync share of the step |",
+                "|---|---|---:|---:|---:|---:|---:|"]
+        for r in model_rows:
+            out.append(f"| {r['model']} | {r['gpu']} | {r['total_params'] / 1e9:.2f}B | {r['dp_bytes'] / 1e9:.2f} | "
+                       f"{r['dp_sync_s'] * 1e3:.0f} | {r['step_device_s'] * 1e3:.0f} | {r['dp_sync_fraction']:.0%} |")
     if graphs:
         out += ["", "## Eager vs CUDA graph (fwd+bwd of the GPT model at the host width)", "",
                 "| model | layers | eager host ms | eager wall ms | graph host ms | graph wall ms | speed-up | error |",

@@ -45,6 +45,24 @@ def test_headline_a3k16_is_host_bound_about_4x_at_10us():
     assert mod["launches"] == 25 * 132 + 24 * 192
 
 
+def test_data_parallel_sync_per_step_matches_hand_calculation():
+    # 16e9 parameters / TP 8 = 2e9 per GPU; x 6 bytes (fp32 grads + bf16 params) x 7/8 at DP 8 = 10.5 GB;
+    # at 50 GB/s: 0.21 s.
+    r = host_overhead.dp_sync_model(16e9, tp=8, dp=8, link_bytes_per_s=50e9)
+    assert r["dp_bytes"] == pytest.approx(10.5e9) and r["dp_sync_s"] == pytest.approx(0.21)
+    assert host_overhead.dp_sync_model(16e9, tp=8, dp=1, link_bytes_per_s=50e9)["dp_bytes"] == 0
+    layers = [dict(layer=name, forward_launches=40, backward_launches=100)
+              for name in ("dense", "xmod_sparse", "mod_sparse")]
+    rows = {(r["model"], r["gpu"]): r for r in host_overhead.headline_table(layers, us_per_launch=10.0)}
+    dense, a3k16 = rows[("dense", "H100")], rows[("xmod-a3k16", "H100")]
+    # every parameter is synced: the bytes scale with N (xmod count: 1.62B and 15.21B), not the FLOPs
+    assert a3k16["dp_bytes"] / dense["dp_bytes"] == pytest.approx(a3k16["total_params"] / dense["total_params"])
+    assert 9 < a3k16["dp_bytes"] / dense["dp_bytes"] < 10
+    assert a3k16["step_device_s"] == pytest.approx(10 * a3k16["device_s"])
+    share = a3k16["dp_sync_s"] / (a3k16["step_device_s"] + a3k16["dp_sync_s"])
+    assert a3k16["dp_sync_fraction"] == pytest.approx(share) and a3k16["dp_sync_fraction"] > 5 * dense["dp_sync_fraction"]
+
+
 @pytest.mark.slow
 def test_smallest_run_writes_consistent_results(megatron_parallel, tmp_path):
     assert host_overhead.main(["--device", "cpu", "--models", "dense", "mod", "--activated-depth", "9",
