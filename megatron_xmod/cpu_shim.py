@@ -9,6 +9,9 @@ entered on the way in and left on the way out, the module patches stay installed
 
 Every other change megatron_xmod makes to megatron's behaviour, on every device, is numbered in
 :mod:`megatron_xmod.training.patches`.
+
+Patch 28 is the one that acts when this module is imported (on CPU): import it before megatron, as the
+entry points do.
 """
 from __future__ import annotations
 
@@ -91,6 +94,44 @@ def _with_one_fake_device(fn):
 
 def cpu_mode() -> bool:
     return not torch.cuda.is_available()
+
+
+def _compile_functions_on_first_call() -> None:
+    """Patch 28. compile-at-import: megatron decorates functions with ``torch.compile`` when its modules
+    are imported (core/jit.py:21 ``jit_fuser``, transformer/moe/router.py:918, and the fusions that use
+    ``jit_fuser``). Building each wrapper imports TorchDynamo and TorchInductor: ~4 s of every process's
+    start-up on a 2-core CPU, where megatron's compiled fusions are off (training/flags.py
+    CPU_COMPILED_FUSIONS) and Dynamo is disabled for the run (patch 11), so nothing is ever compiled. Here
+    ``torch.compile`` of a function returns a wrapper that calls the real ``torch.compile`` when the
+    function is first called, with the same arguments; modules (and anything not a plain callable) go to
+    the real one at once. Installed on import of this module, on CPU only."""
+    real = torch.compile
+    if getattr(real, "_xmod_first_call", False):
+        return
+
+    @functools.wraps(real)
+    def compile_on_first_call(model=None, **kwargs):
+        if model is None:  # @torch.compile(...) with arguments
+            return lambda fn: compile_on_first_call(fn, **kwargs)
+        if isinstance(model, torch.nn.Module) or not callable(model):
+            return real(model, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **call_kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **kwargs)
+            return compiled(*args, **call_kwargs)
+
+        return call
+
+    compile_on_first_call._xmod_first_call = True
+    torch.compile = compile_on_first_call
+
+
+if cpu_mode():
+    _compile_functions_on_first_call()
 
 
 @contextlib.contextmanager

@@ -95,9 +95,24 @@ def test_named_launchers_are_thin_wrappers_of_the_generic_one():
 
 
 # ----------------------------------------------------------------------------- DRY_RUN
+@pytest.fixture(scope="module")
+def dry_runs():
+    """Every launcher's DRY_RUN and the generic launcher's at every Table 6 configuration, two at a time:
+    {launcher name or (backbone, model): CompletedProcess}. Each is a Python start-up and megatron's
+    validation on one core, so two run side by side on the 2-core CI machine in about half the time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = {launcher: dict(script=SLURM / launcher) for launcher in LAUNCHERS}
+    jobs.update({(backbone, model): dict(script=GENERIC, BACKBONE=backbone, MODEL=model)
+                 for backbone in TABLE6_BACKBONES for model in TABLE6_MODELS})
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {key: pool.submit(_launch, DRY_RUN=1, **job) for key, job in jobs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
 @pytest.mark.slow
-def test_headline_dry_run_is_data_parallel_8_tp_8_80_sequences():
-    proc = _launch(SLURM / "xmod_1p65b.sh", DRY_RUN=1)
+def test_headline_dry_run_is_data_parallel_8_tp_8_80_sequences(dry_runs):
+    proc = dry_runs["xmod_1p65b.sh"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = _summary(proc)
     assert (s["world"], s["dp"], s["tp"], s["pp"], s["gbs"]) == (64, 8, 8, 1, 80)
@@ -107,8 +122,8 @@ def test_headline_dry_run_is_data_parallel_8_tp_8_80_sequences():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_every_launcher_passes_dry_run_at_its_own_world_size(launcher):
-    proc = _launch(SLURM / launcher, DRY_RUN=1)
+def test_every_launcher_passes_dry_run_at_its_own_world_size(dry_runs, launcher):
+    proc = dry_runs[launcher]
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = _summary(proc)
     world, tp = NAMED.get(launcher, (64, 8))  # the generic default is the headline run
@@ -118,10 +133,10 @@ def test_every_launcher_passes_dry_run_at_its_own_world_size(launcher):
 @pytest.mark.slow
 @pytest.mark.parametrize("backbone", TABLE6_BACKBONES)
 @pytest.mark.parametrize("model", TABLE6_MODELS)
-def test_table6_configuration_passes_dry_run_through_the_generic_launcher(backbone, model):
+def test_table6_configuration_passes_dry_run_through_the_generic_launcher(dry_runs, backbone, model):
     from megatron_xmod.presets import get_backbone, parse_model
 
-    proc = _launch(GENERIC, DRY_RUN=1, BACKBONE=backbone, MODEL=model)
+    proc = dry_runs[(backbone, model)]
     if (backbone, model) == ("936m", "xmod-a3k16"):  # 8.4B parameters at TP 1: over 80 GB by the memory estimate
         assert proc.returncode != 0 and "FAILED (memory)" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
         return
