@@ -1,6 +1,6 @@
 """The CPU shim: megatron-core 0.19.2 (and ``megatron.training.pretrain``) on a machine without a GPU.
 
-Patches 1-11, 21 and 27, each naming the megatron line it targets (paths relative to ``megatron/core`` or
+Patches 1-11, 21, 27 and 28, each naming the megatron line it targets (paths relative to ``megatron/core`` or
 ``megatron/training`` of the wheel; re-check them when the pin moves). Nothing here runs where
 ``torch.cuda.is_available()``: GPU runs never see these patches. The CUDA build of torch imports fine
 without a driver, but every CUDA call raises, and megatron calls CUDA unconditionally in a handful of

@@ -1,4 +1,5 @@
-"""The CPU shim's patch 27: megatron's DDP buffer collectives over a one-rank group are the copy they are."""
+"""The CPU shim's patches 27 and 28: megatron's DDP buffer collectives over a one-rank group are the copy they are;
+megatron's import-time torch.compile decorations build nothing until a compiled function is called."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
