@@ -1,5 +1,5 @@
 """torchrun worker for test_context_parallel.py (not collected: no test_ prefix), 2 gloo processes.
-Usage: <family> <steps> [full-recompute]
+Usage: <family> <steps> [full-recompute | segments]
 
 Trains the same tiny routed model twice from the same weights on the same batches through megatron's
 DistributedDataParallel and finalize_model_grads: first at CP1 (the two processes are data-parallel
@@ -24,9 +24,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from megatron_xmod.cpu_shim import cpu_patches  # noqa: E402
 
 SEQ, BATCH, LAYOUT = 32, 2, "D + (S4 + S32 + S4 + D)"
+# "segments": top-k within 4 segments of 8 tokens (--xmod-routing-segments 4 = 2 x CP): every CP rank holds
+# exactly k/2 routed tokens of each sequence, its routed batch has no padding (recorded: "cp_batches")
+SEGMENTS_LAYOUT = "D + (S4 + S8 + S4 + D)"
 
 
 RECOMPUTE = {}  # config fields of a run under megatron's full recompute (argument "full-recompute")
+SEGMENTS = {}  # config fields of a run with segment-local top-k (argument "segments")
 
 
 def _build(family, cp, full_state=None):
@@ -35,8 +39,8 @@ def _build(family, cp, full_state=None):
 
     from megatron_xmod.model import build_gpt_model, config_from_backbone
 
-    config = config_from_backbone(TINY, LAYOUT, use_cpu_initialization=True, xmod_routing_family=family,
-                                  context_parallel_size=cp, **RECOMPUTE)
+    config = config_from_backbone(TINY, SEGMENTS_LAYOUT if SEGMENTS else LAYOUT, use_cpu_initialization=True,
+                                  xmod_routing_family=family, context_parallel_size=cp, **RECOMPUTE, **SEGMENTS)
     model = build_gpt_model(config, TINY.vocab_size, SEQ, rotary_base=TINY.rotary_base)
     if full_state is not None:
         model.load_state_dict(full_state, strict=False)
@@ -139,7 +143,20 @@ def main(family: str, steps: int) -> None:
     parallel_state.initialize_model_parallel(context_parallel_size=2)
     model_parallel_cuda_manual_seed(0)
     ddp, model = _build(family, 2, initial)
+    batches = []
+    if SEGMENTS:  # the CP routed batches of the training steps: (K, width, all rows real)
+        from megatron_xmod.xmod.layers import XModSparseLayer
+
+        original = XModSparseLayer._context_parallel_batch
+
+        def recorded(layer, indices, valid, *rest):
+            rows, real, mask = original(layer, indices, valid, *rest)
+            if layer.training:
+                batches.append((layer.routing.sparsity_k, rows.shape[0], real.all()))  # read after the sync count
+            return rows, real, mask
+        XModSparseLayer._context_parallel_batch = recorded
     cp2, grads2 = _train(ddp, model, steps, 2, count_syncs=True)
+    cp2["cp_batches"] = sorted({(k, width, bool(real)) for k, width, real in batches})
     # relative to the gradient's size, floored at 1e-6: with k = 1 a routed token attends to itself only, so
     # the q/k norms of the S32 layer get gradients of rounding size (~1e-11) in both runs
     worst = max(((grads2[n] - g).abs().max() / g.abs().max().clamp(min=1e-6)).item() for n, g in grads1.items())
@@ -152,4 +169,6 @@ if __name__ == "__main__":
     with cpu_patches(training=False):  # megatron-core on CPU, as tests/conftest.py
         if sys.argv[3:] == ["full-recompute"]:  # each layer checkpointed: its CP collectives run again in backward
             RECOMPUTE.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if sys.argv[3:] == ["segments"]:
+            SEGMENTS.update(xmod_routing_segments=4)
         main(sys.argv[1], int(sys.argv[2]))

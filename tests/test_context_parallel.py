@@ -9,7 +9,9 @@ X-MoD also under megatron's full recompute (the token-choice bias replayed, the 
 
 Entry point: CP2 reproduces CP1's training and validation losses (threshold and top-k rules) from a
 common checkpoint, with dense, S4 and S64 (one routed token a sequence) layers; and CP2 x TP2 with
-sequence parallelism, and CP2 x PP2 with a stage boundary inside a sparse block.
+sequence parallelism, and CP2 x PP2 with a stage boundary inside a sparse block; with --reset-attention-mask,
+CP2 reproduces CP1 for a dense and a routed model. Segment-local top-k (--xmod-routing-segments 2C) gives
+every CP rank a routed batch of exactly k/C tokens (unit level).
 """
 import json
 import os
@@ -46,8 +48,9 @@ def _worker(family, *options):
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("family, options", [("xmod", []), ("mod", []), ("xmod", ["full-recompute"])],
-                         ids=["xmod", "mod", "xmod-full-recompute"])
+@pytest.mark.parametrize("family, options", [("xmod", []), ("mod", []), ("xmod", ["full-recompute"]),
+                                             ("xmod", ["segments"])],
+                         ids=["xmod", "mod", "xmod-full-recompute", "xmod-segments"])
 def test_routed_layers_under_cp2_match_cp1(family, options):
     result = _worker(family, *options)
     cp1, cp2 = result["cp1"], result["cp2"]
@@ -55,7 +58,7 @@ def test_routed_layers_under_cp2_match_cp1(family, options):
                                rtol=1e-5, atol=1e-6)
     assert result["grad_rel_diff"] < 1e-4, result["grad_rel_diff"]
     assert cp2["first_step_router_bce"] == pytest.approx(cp1["first_step_router_bce"], rel=1e-6)
-    calls = STEPS * (2 if options else 1) + 1  # a recomputed layer routes again in its replay; + evaluation
+    calls = STEPS * (2 if options == ["full-recompute"] else 1) + 1  # a recomputed layer routes again in its replay; + evaluation
     assert cp2["routed"] == cp1["routed"] and len(cp1["routed"]) == 3 * calls
     for name in ("statistics", "eval_statistics"):
         assert cp2[name].keys() == cp1[name].keys() and "coverage" in cp1["statistics"], (cp1[name], cp2[name])
@@ -64,6 +67,9 @@ def test_routed_layers_under_cp2_match_cp1(family, options):
     assert cp2["losses"] == pytest.approx(cp1["losses"], rel=1e-5)
     assert cp2["eval_loss"] == pytest.approx(cp1["eval_loss"], rel=1e-5)
     assert cp2["syncs"] == [], cp2["syncs"]
+    if options == ["segments"]:
+        # 4 segments = 2 x CP: each rank's routed batch is exactly its k/2 tokens (S4: k = 8, S8: k = 4), no padding
+        assert cp2["cp_batches"] == [[4, 4, True], [8, 2, True]], cp2["cp_batches"]
 
 
 # --- the entry point -----------------------------------------------------------------------------
@@ -110,12 +116,20 @@ def test_cp2_pp2_boundary_inside_sparse_block_matches_cp1(reference):
                  "--pipeline-model-parallel-layout", "Et*2|t*6L")
 
 
-def test_dense_document_masks_under_cp2_match_cp1(tmp_path):
-    """A dense model with --reset-attention-mask: megatron's per-document mask, split over the CP ranks by
-    query rows, with its key columns put into the SDPA core attention's gathered order (training/step.py).
+# S64 routes one token a sequence (one CP rank holds none of it); S4 sixteen, across document boundaries
+DOCUMENT_MODELS = {"dense": ["--num-layers", "2"],
+                   "routed": ["--num-layers", "4", "--xmod-routing-family", "xmod", "--xmod-layout", "D + S4 + S64 + D"]}
+
+
+@pytest.mark.parametrize("model", sorted(DOCUMENT_MODELS))
+def test_document_masks_under_cp2_match_cp1(tmp_path, model):
+    """--reset-attention-mask: megatron's per-document mask, split over the CP ranks by query rows, with
+    its key columns put into the SDPA core attention's gathered order (training/step.py); routed layers
+    read it at their routed queries and every rank's routed keys (layers._context_parallel_document_mask).
     The 400-byte documents of the byte corpus make most 64-token sequences cross a document boundary."""
     data = write_byte_data(str(tmp_path / "bytes"))
-    flags = [flag for flag in common_flags(data, 3, "--num-layers", "2", "--eval-interval", "3", "--reset-attention-mask")
+    flags = [flag for flag in common_flags(data, 3, *DOCUMENT_MODELS[model], "--eval-interval", "3",
+                                           "--reset-attention-mask")
              if flag != "--no-create-attention-mask-in-dataloader"]
     runs = []
     for nproc, extra in ((1, []), (2, ["--context-parallel-size", "2"])):

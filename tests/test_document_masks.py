@@ -183,9 +183,7 @@ def test_preflight_names_what_a_document_mask_needs():
     with pytest.raises(ValueError, match="reset_attention_mask: .*--transformer-impl local"):
         check_document_masks(args(transformer_impl="transformer_engine"), routed=True)
     check_document_masks(args(transformer_impl="transformer_engine"), routed=False)  # dense: megatron's own
-    with pytest.raises(ValueError, match="reset_attention_mask: routed layers under context parallelism .*"
-                                         "--context-parallel-size 1"):
-        check_document_masks(args(context_parallel_size=2), routed=True)
+    check_document_masks(args(context_parallel_size=2), routed=True)  # test_context_parallel.py runs it
     check_document_masks(args(context_parallel_size=2), routed=False)  # dense: key columns reordered (step.py)
     with pytest.raises(ValueError, match="dataloader_inter_document_masking: packed sequences .*--reset-attention-mask"):
         check_document_masks(args(dataloader_inter_document_masking=True), routed=True)

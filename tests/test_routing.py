@@ -32,6 +32,55 @@ def test_topk_selects_exactly_l_over_k_in_position_order():
 def test_topk_needs_whole_capacity():
     with pytest.raises(ValueError, match="seq_length"):
         topk_count(10, 4)
+    with pytest.raises(ValueError, match="seq_length: .*S x K = 16 x 8.*--xmod-routing-segments"):
+        topk_count(64, 8, segments=16)  # 4 tokens a segment cannot route 1/8 of them
+    assert topk_count(64, 8, segments=8) == 8
+
+
+@pytest.mark.parametrize("segments", [1, 2, 4, 8])
+def test_segment_topk_routes_l_over_sk_of_each_segment(segments):
+    """--xmod-routing-segments S: the top L/(S K) of each of S equal segments, sorted by position, against
+    an independent per-segment argsort; k = L/K a sequence whatever S."""
+    torch.manual_seed(0)
+    scores = torch.randn(64, 3)
+    indices = select_topk(scores, 4, segments)
+    assert indices.shape == (16, 3) and torch.all(indices[1:] > indices[:-1])
+    span = 64 // segments
+    for column in range(3):
+        expected = set()
+        for start in range(0, 64, span):
+            top = torch.argsort(scores[start:start + span, column], descending=True)[: span // 4]
+            expected |= {start + i for i in top.tolist()}
+        assert set(indices[:, column].tolist()) == expected
+    if segments > 1:  # the constraint bites: the sequence's own top 16 lie unevenly over the segments
+        assert not torch.equal(indices, select_topk(scores, 4))
+    decision = route(scores, 4, "topk", segments=segments)
+    assert torch.equal(decision.topk_indices, indices)
+    assert torch.equal(route(scores, 4, "threshold", segments=segments).selected, scores >= 0)  # per token
+
+
+def test_routing_segments_validated_by_field_name():
+    from megatron_xmod.xmod.routing import SparseLayerRouting
+
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="xmod_routing_segments: .*integer >= 1"):
+            SparseLayerRouting(family="xmod", sparsity_k=4, routing_segments=bad)
+
+
+def test_context_parallel_width_is_k_over_c_only_for_aligned_segments():
+    """The static routed batch of a CP rank (layers.context_parallel_width): any number up to min(k, L/C)
+    of a sequence's tokens under whole-sequence top-k; exactly k/C when 2C divides S."""
+    from megatron_xmod.xmod.layers import context_parallel_width, load_balanced_positions
+
+    assert context_parallel_width(256, 1024, 2) == 256 and context_parallel_width(256, 1024, 8) == 128
+    assert context_parallel_width(256, 1024, 4, segments=8) == 64
+    assert context_parallel_width(256, 1024, 4, segments=16) == 64
+    assert context_parallel_width(256, 1024, 4, segments=4) == 256  # a CP chunk holds half a segment: no bound
+    # what it claims, counted: every rank's load-balanced chunks hold exactly k/C routed tokens
+    torch.manual_seed(1)
+    selected = torch.zeros(1024, 5, dtype=torch.bool).scatter_(0, select_topk(torch.randn(1024, 5), 4, 8), True)
+    held = selected[load_balanced_positions(1024, 4)].sum(1)  # [C, b]
+    assert torch.all(held == 64)
 
 
 def test_threshold_is_sigmoid_half_of_bias_adjusted_score():

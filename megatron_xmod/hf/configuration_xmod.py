@@ -34,7 +34,8 @@ class XModHFConfig(PretrainedConfig):
     before it (consecutive sparse layers form a block; a dense layer resets b), as megatron's
     ``RoutingState`` hands it over. ``routing_rule``: "threshold" (the causal rule
     s - tau*b >= 0, what megatron's eval mode uses, deployable token by token; the default) or
-    "topk" (top L/K per sequence, for full-sequence scoring only).
+    "topk" (top L/K per sequence, for full-sequence scoring only; with ``routing_segments`` S > 1, the
+    top L/(S K) of each of S equal segments, as the run trained with --xmod-routing-segments).
     """
 
     model_type = "megatron_xmod"
@@ -66,6 +67,7 @@ class XModHFConfig(PretrainedConfig):
         token_choice_bias_tau: float = 0.5,
         token_choice_bias_increment: float = 1.0,
         routing_rule: str = "threshold",
+        routing_segments: int = 1,
         # --- MoE (every layer's MLP when num_experts is set) ---
         num_experts: Optional[int] = None,
         moe_intermediate_size: Optional[int] = None,
@@ -105,6 +107,7 @@ class XModHFConfig(PretrainedConfig):
         self.token_choice_bias_tau = token_choice_bias_tau
         self.token_choice_bias_increment = token_choice_bias_increment
         self.routing_rule = routing_rule
+        self.routing_segments = routing_segments
         self.num_experts = num_experts
         self.moe_intermediate_size = moe_intermediate_size
         self.shared_expert_intermediate_size = shared_expert_intermediate_size
@@ -167,6 +170,9 @@ class XModHFConfig(PretrainedConfig):
         need(has_sparse == (self.routing_family != "dense"),
              f"routing_family: {self.routing_family!r} with {'some' if has_sparse else 'no'} sparse layers; a "
              "dense family has no sparse layer and a routed family (mod, xmod) has at least one")
+        need(isinstance(self.routing_segments, int) and self.routing_segments >= 1,
+             f"routing_segments: the segments top-k ranks a sequence in must be an integer >= 1, got "
+             f"{self.routing_segments!r}")
         for name in ("token_choice_bias_tau", "token_choice_bias_increment"):
             value = getattr(self, name)
             need(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,

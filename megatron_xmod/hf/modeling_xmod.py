@@ -247,7 +247,8 @@ class XModDecoderLayer(nn.Module):
         cfg = self.config
         logits = self.router(x).squeeze(-1).float()  # [b, n]
         carried = None if carried_bias is None else carried_bias.t()
-        decision = route(logits.t(), self.sparsity_k, rule, carried, cfg.token_choice_bias_tau)
+        decision = route(logits.t(), self.sparsity_k, rule, carried, cfg.token_choice_bias_tau,
+                         getattr(cfg, "routing_segments", 1))
         bias = update_token_choice_bias(carried, decision.selected, cfg.token_choice_bias_increment).t()
         if decision.topk_indices is not None:
             indices, keep = decision.topk_indices, None

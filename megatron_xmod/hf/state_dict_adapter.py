@@ -156,6 +156,7 @@ def _routing_fields(c) -> dict:
         # The exported model decodes token by token: the causal threshold rule, whatever the run evaluated
         # with (top-k stays selectable per call, forward(routing_rule="topk"), for full-sequence scoring).
         routing_rule="threshold",
+        routing_segments=int(getattr(c, "xmod_routing_segments", 1)),
     )
 
 

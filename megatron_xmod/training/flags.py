@@ -81,6 +81,11 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--xmod-fixed-gate-scale", dest="xmod_gate_scale_learnable", action="store_false",
                        help="keep varsigma at --xmod-gate-scale-init, not learned (ablation 'w/o gated residual "
                             "scaling'; default: off, varsigma is learned)")
+    group.add_argument("--xmod-routing-segments", dest="xmod_routing_segments", type=int, default=1,
+                       help="S: training top-k routes L/(S K) tokens of each of S equal segments of a sequence "
+                            "(default 1: L/K of the whole sequence). With --context-parallel-size C, a multiple of 2C "
+                            "gives every CP rank exactly L/(K C) routed tokens: 1/K of a dense layer's CP traffic "
+                            "(docs/routing.md, 'Routing segments')")
     group.add_argument("--xmod-eval-routing", dest="xmod_eval_routing", default="threshold", choices=("threshold", "topk"),
                        help="routing rule at validation: threshold (deployable, sigmoid > 0.5) or top-k")
     group.add_argument("--xmod-eval-capacity-factor", dest="xmod_eval_capacity_factor", type=float, default=0.0,

@@ -45,9 +45,13 @@ def validate_before_training(args, vocab_size: Optional[int] = None) -> None:
     ks = {layer.sparsity_k for layer in config.layer_layout.layers if layer.is_sparse}
     check_document_masks(args, routed=bool(ks))
     check_context_parallel(args)
-    for k in ks:
-        if args.seq_length % k:
-            raise ValueError(f"seq_length: {args.seq_length} is not divisible by sparsity K={k} (top-k routes exactly L/K tokens)")
+    segments = getattr(args, "xmod_routing_segments", 1)
+    for k in sorted(ks):
+        if args.seq_length % (k * segments):
+            raise ValueError(f"seq_length: {args.seq_length} is not divisible by sparsity K={k}"
+                             + (f" x routing segments S={segments} (top-k routes exactly L/(S K) tokens a segment); "
+                                "change --seq-length or --xmod-routing-segments" if segments > 1 else
+                                " (top-k routes exactly L/K tokens)"))
     check_outputs(args)
     check_blend(args)
     check_resume_point(args)
@@ -75,11 +79,6 @@ def check_document_masks(args, routed: bool) -> None:
                          "but --no-create-attention-mask-in-dataloader switches that off (megatron would train with a "
                          "plain causal mask, silently); drop --no-create-attention-mask-in-dataloader (--xmod-cpu "
                          "leaves it out when --reset-attention-mask is given)")
-    if routed and args.context_parallel_size > 1:
-        raise ValueError("reset_attention_mask: routed layers under context parallelism attend causally among the "
-                         "routed tokens of the whole sequence; document masks are not applied across CP ranks (dense "
-                         "models are: the mask's key columns follow the gathered keys); drop --reset-attention-mask "
-                         "or use --context-parallel-size 1")
     if routed and args.transformer_impl != "local":
         raise ValueError(f"reset_attention_mask: routed layers apply the document mask with the SDPA core attention "
                          f"of --transformer-impl local only (--transformer-impl {args.transformer_impl}'s causal "

@@ -68,6 +68,14 @@ class XModConfig(TransformerConfig):
     """False keeps varsigma fixed at its initial value (the paper's "w/o gated residual scaling"
     ablation, Table 3: varsigma = 1, not learned); the parameter stays in the checkpoint."""
 
+    xmod_routing_segments: int = 1
+    """S: training top-k ranks each of S equal, contiguous segments of a sequence and routes L/(S K) tokens
+    of each (1: the whole sequence, the papers' rule; k = L/K a sequence either way). With context
+    parallelism C, S a multiple of 2C puts exactly k/C routed tokens on every CP rank: a routed layer then
+    moves 1/K of a dense layer's CP bytes and holds 1/C of the routed activations, against C/K and
+    min(k, L/C) rows with S = 1 (docs/routing.md, "Routing segments"). The threshold rule is per token
+    and does not see S."""
+
     xmod_eval_routing: str = "threshold"
     """Routing rule in eval mode when the model is built: threshold (deployable, causal) or topk (for
     comparison). The built model keeps it in its routing state (``routing_state.set_eval_routing``)."""
@@ -125,6 +133,7 @@ class XModConfig(TransformerConfig):
             router_bce_coeff=self.xmod_router_bce_coeff, gate_scale_init=self.xmod_gate_scale_init,
             gate_scale_learnable=self.xmod_gate_scale_learnable,
             token_choice_bias_tau_warmup=self.xmod_token_choice_bias_tau_warmup,
+            routing_segments=self.xmod_routing_segments,
         )
 
 

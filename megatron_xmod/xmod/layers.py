@@ -152,6 +152,16 @@ def _load_balanced_causal_mask(keys: int, cp_size: int, rank: int, device: str) 
     return (positions.reshape(1, -1) > positions[rank].unsqueeze(1)).view(1, 1, keys // cp_size, keys)
 
 
+def context_parallel_width(routed: int, seq_len: int, cp_size: int, segments: int = 1) -> int:
+    """The static number of a sequence's ``routed`` tokens that one CP rank may hold (the width of its
+    routed batch, XModSparseLayer._context_parallel_batch): under top-k over the whole sequence any
+    number up to min(k, L/C); under segment-local top-k whose segments megatron's 2C load-balanced
+    chunks hold whole (S a multiple of 2C), exactly k/C, since each rank holds S/C segments of k/S."""
+    if segments > 1 and segments % (2 * cp_size) == 0:
+        return routed // cp_size
+    return min(routed, seq_len // cp_size)
+
+
 def gather_context_parallel(x: torch.Tensor, group) -> torch.Tensor:
     """This CP rank's rows ``x`` [L/C, ...] of megatron's load-balanced layout -> the whole sequence
     [L, ...] in position order, on every rank of ``group``; the backward hands each rank the summed
@@ -264,6 +274,24 @@ def _gather_document_mask(document_mask: torch.Tensor, indices: torch.Tensor) ->
     return torch.gather(rows, 2, positions.unsqueeze(1).expand(-1, k, -1))  # [b, k, k]
 
 
+def _context_parallel_document_mask(document_mask: torch.Tensor, rows: torch.Tensor, rank: int,
+                                    cp_len: int) -> torch.Tensor:
+    """megatron's mask of this CP rank's queries ([b or 1, 1, L/C, L], key columns in the gathered rank order)
+    at the routed batches ``rows`` [w, C, b] (every rank's rows of its own slice): [b, w, C*w], rows this
+    rank's routed queries, columns every rank's routed keys in rank order (True = masked)."""
+    cp, batch = rows.shape[1], rows.shape[2]
+    if document_mask.dim() != 4 or document_mask.shape[1] != 1 or tuple(document_mask.shape[2:]) != (cp_len, cp_len * cp):
+        raise ValueError(f"attention_mask: a routed layer under context parallelism takes this rank's rows of "
+                         f"megatron's mask, [b, 1, {cp_len}, {cp_len * cp}], got shape {tuple(document_mask.shape)}; "
+                         "split the batch with megatron_xmod.training.step.context_parallel_batch")
+    mask = document_mask[:, 0].bool().expand(batch, -1, -1)  # [b, L/C, L]
+    queries = rows[:, rank].t()  # [b, w]
+    offsets = torch.arange(cp, device=rows.device).view(1, cp, 1) * cp_len
+    keys = (rows + offsets).permute(2, 1, 0).reshape(batch, -1)  # [b, C*w]: rank c's row j at c*w + j
+    at_queries = torch.gather(mask, 1, queries.unsqueeze(-1).expand(-1, -1, mask.shape[2]))  # [b, w, L]
+    return torch.gather(at_queries, 2, keys.unsqueeze(1).expand(-1, queries.shape[1], -1))
+
+
 def _cuda_graphs(config) -> bool:
     return getattr(config, "cuda_graph_impl", "none") not in (None, "none")
 
@@ -312,10 +340,6 @@ class XModSparseLayer(TransformerLayer):
             raise ValueError("inference_context/packed_seq_params: not supported by routed layers (packed THD "
                              "sequences: train with --reset-attention-mask instead, docs/routing.md 'Document masks')")
         attention_mask = _document_mask(attention_mask)
-        if attention_mask is not None and self.cp_group is not None:
-            raise ValueError("reset_attention_mask: routed layers under context parallelism attend causally among "
-                             "the routed tokens of the whole sequence (document masks are not split across CP "
-                             "ranks); drop --reset-attention-mask or use --context-parallel-size 1")
         if attention_mask is not None and not isinstance(self.self_attention.core_attention, SDPAttention):
             raise ValueError(
                 f"attention_mask: routed layers apply a document mask (--reset-attention-mask) with the SDPA core "
@@ -340,6 +364,7 @@ class XModSparseLayer(TransformerLayer):
         # It writes into the routing state's buffers itself (a recompute replay writes none of them): the
         # updated bias (in place) and, under top-k, the routed set and the call's statistics.
         step = routing_step(logits, routing.sparsity_k, rule, carried_bias, tau, routing.token_choice_bias_increment,
+                            segments=routing.routing_segments,
                             **self._step_destinations(state, rule, phase, (seq_len, batch), previous_selected,
                                                       logits.device))
         decision, bias, gate = step.decision, step.bias, step.gate
@@ -529,7 +554,8 @@ class XModSparseLayer(TransformerLayer):
         masked), applied among the routed tokens; ``batch_mask``: the routed batch's own attention mask
         instead (context parallelism's)."""
         if self.cp_group is not None and batch_mask is None:
-            return self._routed_update_context_parallel(hidden_states, indices, scores, rotary_pos_emb, valid), None
+            return self._routed_update_context_parallel(hidden_states, indices, scores, rotary_pos_emb, valid,
+                                                        document_mask), None
         if self.config.sequence_parallel:
             return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid, gate,
                                                          document_mask, batch_mask), None
@@ -593,32 +619,38 @@ class XModSparseLayer(TransformerLayer):
         output = hidden_states.reshape(-1, hidden).index_add(0, flat_rows(local, batch), update.reshape(-1, hidden))
         return output.view_as(hidden_states)
 
-    def _routed_update_context_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None):
+    def _routed_update_context_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None,
+                                        document_mask=None):
         """Context parallel: ``hidden_states`` holds this CP rank's rows of megatron's load-balanced layout
         ([L/C, b, h]; under sequence parallelism its 1/T shard of them) and ``indices`` [k, b] are positions
         in the whole sequence, the same on every CP rank (``valid``: False for a threshold batch's padding).
         Each rank runs attention and MLP on the routed tokens it holds, a batch of static width; the core
         attention all-gathers their keys and values over the CP group (only that batch travels, not the
-        sequence: C x min(L/K, L/C) rows against a dense layer's L, bench/cp.py) and the mask built here
-        keeps every routed token causal among the routed tokens by real position. The gated update lands on
-        the rank's own rows: nothing else is sent back."""
-        local, real, mask = self._context_parallel_batch(indices, valid, hidden_states.shape[0])
+        sequence: C x min(L/K, L/C) rows against a dense layer's L, or L/K with segment-local routing,
+        bench/cp.py) and the mask built here
+        keeps every routed token causal among the routed tokens by real position (and, with ``document_mask``,
+        inside its document). The gated update lands on the rank's own rows: nothing else is sent back."""
+        local, real, mask = self._context_parallel_batch(indices, valid, hidden_states.shape[0], document_mask)
         positions = load_balanced_positions(scores.shape[0], self._cp_size(), str(scores.device))
         own = positions[self.cp_group.rank()].gather(0, local.reshape(-1)).view_as(local)  # [w, b] positions
         gate = torch.sigmoid(torch.gather(scores, 0, own))  # padding: any finite gate, zeroed by ``real``
         return self._routed_update(hidden_states, local, scores, rotary_pos_emb, real, gate, batch_mask=mask)[0]
 
-    def _context_parallel_batch(self, indices, valid, local_len: int):
+    def _context_parallel_batch(self, indices, valid, local_len: int, document_mask=None):
         """This CP rank's routed batch and its attention mask, from the routed positions ``indices`` [k, b].
 
         Every rank derives every rank's batch from the same routed set (no communication): rank c's rows
         [w, b] of its slice holding routed tokens, in position order, then padding (unrouted rows of its
-        slice, unique), at the static width w = min(k, L/C) (rounded up to a multiple of T under sequence
-        parallelism, whose routed update splits the batch across the TP ranks): a rank may hold any number of
-        a sequence's routed tokens, none included. Returns (rows [w, b] of this rank's slice, real [w, b],
-        mask [b, 1, w, C*w] over the keys gathered in rank order, True = masked): a real query sees the real
-        keys at positions up to its own, and every row sees itself (no row is all masked; padding gets a
-        zero gate and is seen by nothing else)."""
+        slice, unique), at the static width w of context_parallel_width (rounded up to a multiple of T under
+        sequence parallelism, whose routed update splits the batch across the TP ranks): min(k, L/C) when
+        top-k ranks whole sequences (a rank may hold any number of a sequence's routed tokens, none
+        included); exactly k/C, no padding, when it ranks segments that megatron's CP chunks hold whole.
+        Returns (rows [w, b] of this rank's slice, real [w, b], mask [b, 1, w, C*w] over the keys gathered
+        in rank order, True = masked): a real query sees the real keys at positions up to its own, and every
+        row sees itself (no row is all masked; padding gets a zero gate and is seen by nothing else).
+        ``document_mask``: this rank's rows of megatron's mask under CP ([b or 1, 1, L/C, L], True = masked,
+        key columns in the gathered rank order: training/step.py's context_parallel_batch), read at the
+        routed queries and keys, so a routed token sees only the routed keys of its own document."""
         cp, rank, shards = self._cp_size(), self.cp_group.rank(), self._sequence_shards()
         cp_len = local_len * shards  # this CP rank's rows of every sequence (all its TP ranks)
         seq_len, batch = cp_len * cp, indices.shape[1]
@@ -626,7 +658,8 @@ class XModSparseLayer(TransformerLayer):
         routed.scatter_(0, indices, True if valid is None else valid)
         positions = load_balanced_positions(seq_len, cp, str(indices.device))  # [C, L/C]
         held = routed.index_select(0, positions.reshape(-1)).view(cp, cp_len, batch)
-        width = min(indices.shape[0], cp_len)
+        width = context_parallel_width(indices.shape[0], seq_len, cp, self.routing.routing_segments
+                                       if valid is None else 1)
         width += -width % shards
         rows, real, _ = capacity_selection(held.permute(1, 0, 2).reshape(cp_len, cp * batch), width)
         rows, real = rows.view(width, cp, batch), real.view(width, cp, batch)
@@ -634,6 +667,8 @@ class XModSparseLayer(TransformerLayer):
         keys = torch.where(real.permute(1, 0, 2), at, seq_len).reshape(cp * width, batch).t()  # [b, C*w]
         queries = torch.where(real[:, rank], at[rank], -1).t()  # [b, w]
         allowed = keys.unsqueeze(1) <= queries.unsqueeze(2)  # [b, w, C*w]
+        if document_mask is not None:
+            allowed &= ~_context_parallel_document_mask(document_mask, rows, rank, cp_len)
         own = torch.arange(width, device=indices.device)
         allowed[:, own, rank * width + own] = True
         return rows[:, rank], real[:, rank], ~allowed.unsqueeze(1)

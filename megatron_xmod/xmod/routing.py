@@ -4,7 +4,9 @@ Reused by the megatron layers, the diagnostics and the tests. Shapes follow
 megatron: scores are ``[s, b]`` (sequence first).
 
 - training: per-sequence top-k with k = L/K exactly; indices sorted by position so that causal
-  attention among the routed tokens stays causal (Raposo et al.; X-MoD keeps this);
+  attention among the routed tokens stays causal (Raposo et al.; X-MoD keeps this). With S routing
+  segments the top L/(S K) of each of S equal, contiguous segments instead (k stays L/K): what lets
+  context parallelism give every rank exactly k/C routed tokens (docs/long_context.md);
 - evaluation: the causal threshold rule sigma(s - tau*b) >= 0.5, i.e. s - tau*b >= 0, which
   depends on nothing but the token's own state (deployable autoregressively);
 - token-choice bias b (Eq.8): carried across the consecutive sparse layers of a block, raised by
@@ -39,6 +41,7 @@ class SparseLayerRouting:
     gate_scale_init: float = 1.0
     gate_scale_learnable: bool = True  # False: varsigma stays at gate_scale_init (Table 3 ablation, fixed 1)
     token_choice_bias_tau_warmup: int = 0  # iterations over which tau ramps linearly from 0 (0: no warm-up)
+    routing_segments: int = 1  # top-k per sequence (1) or per each of S equal segments of it (select_topk)
     block: int = 0  # sparse block of the layout
     index_in_block: int = 0  # position among the block's sparse layers (0: b starts at 0)
 
@@ -63,6 +66,7 @@ class SparseLayerRouting:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"xmod_{name}: must be a finite number >= 0, got {value!r}")
+        check_routing_segments(self.routing_segments)
         warmup = self.token_choice_bias_tau_warmup
         if not (isinstance(warmup, int) and warmup >= 0):
             raise ValueError(f"xmod_token_choice_bias_tau_warmup: must be an integer number of iterations >= 0, got {warmup!r}")
@@ -91,21 +95,39 @@ def adjusted_logits(logits: torch.Tensor, token_choice_bias: Optional[torch.Tens
     return logits - tau * token_choice_bias
 
 
-def topk_count(seq_len: int, sparsity_k: int) -> int:
-    """k = L/K exactly: the training capacity is a whole fraction of the sequence."""
-    if seq_len % sparsity_k:
+def check_routing_segments(segments) -> int:
+    if not (isinstance(segments, int) and not isinstance(segments, bool) and segments >= 1):
+        raise ValueError(f"xmod_routing_segments: the number of segments each sequence's top-k is taken over must be "
+                         f"an integer >= 1 (1: the whole sequence), got {segments!r}")
+    return segments
+
+
+def topk_count(seq_len: int, sparsity_k: int, segments: int = 1) -> int:
+    """k = L/K exactly: the training capacity is a whole fraction of the sequence (with S routing
+    segments, of each segment: L/(S K) a segment, still L/K a sequence)."""
+    if seq_len % (sparsity_k * segments):
+        per = f"S x K = {segments} x {sparsity_k}" if segments > 1 else f"sparsity K ({sparsity_k})"
         raise ValueError(
             f"seq_length: top-k routing needs the sequence length ({seq_len}) to be divisible by "
-            f"sparsity K ({sparsity_k}) so that exactly L/K tokens are routed"
+            f"{per} so that exactly L/K tokens are routed; change --seq-length"
+            + (" or --xmod-routing-segments" if segments > 1 else "")
         )
     return seq_len // sparsity_k
 
 
-def select_topk(scores: torch.Tensor, sparsity_k: int) -> torch.Tensor:
-    """Indices ``[k, b]`` of the top L/K scores of each sequence, sorted by position."""
-    k = topk_count(scores.shape[0], sparsity_k)
-    indices = torch.topk(scores.detach(), k, dim=0, sorted=False).indices
-    return torch.sort(indices, dim=0).values
+def select_topk(scores: torch.Tensor, sparsity_k: int, segments: int = 1) -> torch.Tensor:
+    """Indices ``[k, b]`` of the top L/K scores of each sequence, sorted by position; with ``segments``
+    S > 1, the top L/(S K) of each of the S contiguous segments of L/S positions (segment-local top-k:
+    any S consecutive L/S-token windows route the same number of tokens)."""
+    seq_len, batch = scores.shape
+    k = topk_count(seq_len, sparsity_k, segments)
+    if segments == 1:
+        indices = torch.topk(scores.detach(), k, dim=0, sorted=False).indices
+        return torch.sort(indices, dim=0).values
+    span = seq_len // segments
+    indices = torch.topk(scores.detach().reshape(segments, span, batch), k // segments, dim=1, sorted=False).indices
+    starts = torch.arange(0, seq_len, span, device=scores.device).view(segments, 1, 1)
+    return (torch.sort(indices, dim=1).values + starts).reshape(k, batch)
 
 
 def select_threshold(scores: torch.Tensor) -> torch.Tensor:
@@ -222,11 +244,13 @@ def route(
     rule: str,
     token_choice_bias: Optional[torch.Tensor] = None,
     tau: float = 0.0,
+    segments: int = 1,
 ) -> RoutingDecision:
-    """Route one sparse layer: ``rule`` is "topk" (training) or "threshold" (evaluation)."""
+    """Route one sparse layer: ``rule`` is "topk" (training) or "threshold" (evaluation); ``segments``:
+    top-k over each of that many equal segments of a sequence (the threshold rule is per token)."""
     scores = adjusted_logits(logits, token_choice_bias, tau)
     if rule == "topk":
-        indices = select_topk(scores, sparsity_k)
+        indices = select_topk(scores, sparsity_k, segments)
         return RoutingDecision(indices_to_mask(indices, scores.shape[0]), scores, indices)
     if rule == "threshold":
         return RoutingDecision(select_threshold(scores), scores, None)

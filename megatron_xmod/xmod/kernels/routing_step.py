@@ -23,8 +23,9 @@ used when asked for. A backend that was asked for but cannot run falls back with
 says why (logger ``megatron_xmod.xmod.kernels``). ``launch_counts`` counts the routing steps each
 backend ran (instrumentation for tests and benchmarks; it holds no model state).
 
-Only the top-k rule (training) is fused: the threshold rule of evaluation selects a different
-number of tokens per sequence and always takes the torch path.
+Only the top-k rule (training) over whole sequences is fused: the threshold rule of evaluation
+selects a different number of tokens per sequence, and segment-local top-k (``segments`` > 1,
+``--xmod-routing-segments``) ranks within segments; both take the torch path.
 
 Tie rule: the Triton kernel gives ties at the k-th score to the earliest positions; torch.topk
 leaves the choice unspecified. With continuous logits ties are rare, but bf16 logits (as
@@ -81,12 +82,12 @@ def _check_destinations(rule, selected_out, previous_selected, statistics, bce_c
 def routing_step_torch(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias: Optional[torch.Tensor],
                        tau: float, increment: float, bias_out: Optional[torch.Tensor] = None, *,
                        selected_out: Optional[torch.Tensor] = None, previous_selected: Optional[torch.Tensor] = None,
-                       statistics=None, bce_coeff: float = 0.0) -> RoutingStep:
+                       statistics=None, bce_coeff: float = 0.0, segments: int = 1) -> RoutingStep:
     """The reference: the rules of :mod:`megatron_xmod.xmod.routing`, op by op; writes what
     :func:`routing_step` writes, in the same order (the statistics read the previous routed set before
     ``selected_out``, which may be the same buffer, receives this layer's)."""
     _check_destinations(rule, selected_out, previous_selected, statistics, bce_coeff)
-    decision = route(logits, sparsity_k, rule, carried_bias, tau)
+    decision = route(logits, sparsity_k, rule, carried_bias, tau, segments)
     bias = update_token_choice_bias(carried_bias, decision.selected, increment, out=bias_out)
     gate = rows = loss = None
     if decision.topk_indices is not None:
@@ -112,8 +113,9 @@ def routing_step(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias:
                  tau: float = 0.0, increment: float = 1.0, *, backend: Optional[str] = None,
                  bias_out: Optional[torch.Tensor] = None, selected_out: Optional[torch.Tensor] = None,
                  previous_selected: Optional[torch.Tensor] = None, statistics=None,
-                 bce_coeff: float = 0.0) -> RoutingStep:
+                 bce_coeff: float = 0.0, segments: int = 1) -> RoutingStep:
     """Route one sparse layer from its router logits [s, b] (fp32); see the module docstring.
+    ``segments``: top-k within each of that many equal segments of a sequence (routing.select_topk).
 
     Destinations, written in place (the routing state's buffers: megatron_xmod.xmod.routing_state):
 
@@ -127,12 +129,12 @@ def routing_step(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias:
       summed (to back-propagate), the statistics get the BCE itself.
     """
     _check_destinations(rule, selected_out, previous_selected, statistics, bce_coeff)
-    name = "torch" if rule != "topk" else _select(backend, logits)
+    name = "torch" if rule != "topk" or segments > 1 else _select(backend, logits)
     launch_counts[name] += 1
     if name == "torch":
         return routing_step_torch(logits, sparsity_k, rule, carried_bias, tau, increment, bias_out,
                                   selected_out=selected_out, previous_selected=previous_selected,
-                                  statistics=statistics, bce_coeff=bce_coeff)
+                                  statistics=statistics, bce_coeff=bce_coeff, segments=segments)
     k = topk_count(logits.shape[0], sparsity_k)
     carried = None if carried_bias is None else carried_bias.detach().float().contiguous()
     logits32 = logits if logits.dtype == torch.float32 else logits.float()
