@@ -10,9 +10,10 @@ input) and what a reduce-scatter sends (input minus output). A dense layer is me
 ``D*2``; a routed layer of sparsity K as ``D + S<K>`` minus one dense layer. The routed layer moves its
 L router logits (gathered forward, their gradients reduce-scattered backward) and its routed tokens'
 keys and values at a static per-rank width w = min(L/K, L/C) (a rank may hold any number of a
-sequence's routed tokens, none to all; static shapes need the largest). Target of issue 23: routed <=
-1.2/K of dense; what the static width gives is about C/K (K >= C), see the result's notes.
-fp32, micro-batch 1.
+sequence's routed tokens, none to all; static shapes need the largest): about C/K of a dense layer
+(K >= C). With segment-local top-k over 2C segments (``--xmod-routing-segments 2C``, rows "S<K> seg<2C>")
+every rank holds exactly L/(K C) routed tokens and the layer moves 1/K. Target of issue 23: routed <=
+1.2/K of dense. fp32, micro-batch 1.
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def _counting(counts, name, original, received):
     return collective
 
 
-def _count(backbone, layout, seq_len, cp):
-    """Bytes per rank moved by the collectives of one forward + backward of ``layout``."""
+def _count(backbone, layout, seq_len, cp, segments=1):
+    """Bytes per rank moved by the collectives of one forward + backward of ``layout`` (``segments``: the
+    sparse layers' --xmod-routing-segments)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import mappings
 
@@ -49,7 +51,8 @@ def _count(backbone, layout, seq_len, cp):
     from megatron_xmod.xmod.layers import load_balanced_positions
 
     backbone = get_backbone(backbone)
-    config = config_from_backbone(backbone, layout, use_cpu_initialization=True, context_parallel_size=cp)
+    config = config_from_backbone(backbone, layout, use_cpu_initialization=True, context_parallel_size=cp,
+                                  xmod_routing_segments=segments)
     model = build_gpt_model(config, 256, seq_len, rotary_base=backbone.rotary_base)
     own = load_balanced_positions(seq_len, cp)[parallel_state.get_context_parallel_rank()]
     tokens = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(0))[:, own]
@@ -82,9 +85,11 @@ def _worker(rank, world, port, args, queue):
         per_dense = {name: value / 2 for name, value in dense.items()}
         rows.append(dict(layer="dense", cp=world, K=1, **per_dense, total=sum(per_dense.values())))
         for k in args.k:
-            both = _count(args.backbone, f"D + S{k}", args.seq_len, world)
-            routed = {name: value - per_dense.get(name, 0) for name, value in both.items()}
-            rows.append(dict(layer=f"routed S{k}", cp=world, K=k, **routed, total=sum(routed.values())))
+            for segments in (1, 2 * world):
+                both = _count(args.backbone, f"D + S{k}", args.seq_len, world, segments)
+                routed = {name: value - per_dense.get(name, 0) for name, value in both.items()}
+                name = f"routed S{k}" + (f" seg{segments}" if segments > 1 else "")
+                rows.append(dict(layer=name, cp=world, K=k, segments=segments, **routed, total=sum(routed.values())))
         if rank == 0:
             queue.put(rows)
         torch.distributed.destroy_process_group()
@@ -110,7 +115,10 @@ def write(rows, args, out_dir):
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [f"# Context-parallel traffic per layer ({args.backbone}, L = {args.seq_len}, counted on CPU)", "",
              f"- {meta['date']}; {meta['machine']}; commit {meta['commit']}; load {meta['load']}; fp32, micro-batch 1",
-             "- bytes per rank, forward + backward; routed / dense and K x that ratio (target <= 1.2)", "",
+             "- bytes per rank, forward + backward; routed / dense and K x that ratio (target <= 1.2)",
+             "- `S<K>`: top-k over the whole sequence (static per-rank width min(L/K, L/C): about C/K); "
+             "`S<K> seg<2C>`: --xmod-routing-segments 2C (every rank holds exactly L/(K C) routed tokens: 1/K, "
+             "plus the L router logits)", "",
              "| CP | layer | forward all-gather | backward reduce-scatter | total | routed / dense | K x ratio |",
              "|---:|---|---:|---:|---:|---:|---:|"]
     for row in rows:

@@ -16,6 +16,8 @@
 #   PP       pipeline parallel (1; > 1 balances stages by cost)  SEQ sequence length (32768)
 #   CP       context parallel (1): each sequence split over CP GPUs (megatron's load-balanced layout; SEQ a
 #            multiple of 2 x CP, x TP with sequence parallelism); the GPUs of a replica are TP x PP x CP
+#   ROUTING_SEGMENTS  --xmod-routing-segments (1): top-k per segment; 2 x CP (or a multiple) gives every CP
+#            rank exactly L/(K CP) routed tokens, 1/K of a dense layer's CP traffic (docs/routing.md section 9)
 #   GBS      sequences per step (80)              MBS micro-batch size (1)
 #   BACKBONE 165m|298m|556m|936m|1.65b (1.65b)    MODEL dense|mod|xmod-a4k8|xmod-a3k16|moe-8x64|moe-8x128|<layout>
 #                                                  or <depth>+<moe> (xmod-a4k8+moe-8x64: the MoE in every layer)
@@ -171,7 +173,7 @@ PP_ARGS=()
 if [ "$PP" -gt 1 ]; then PP_ARGS=(--xmod-pipeline-balance auto); fi
 TRAIN_ARGS=("${MODEL_ARGS[@]}"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --context-parallel-size "$CP"
-  "${DEVICE_ARGS[@]}" "${PP_ARGS[@]}"
+  --xmod-routing-segments "${ROUTING_SEGMENTS:-1}" "${DEVICE_ARGS[@]}" "${PP_ARGS[@]}"
   --seq-length "$SEQ" --max-position-embeddings "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS"
   --train-iters "$ITERS" "${OPT_ARGS[@]}" --attention-dropout 0 --hidden-dropout 0
   "${DATA_ARGS[@]}"

@@ -70,7 +70,8 @@ def test_routing_segments_validated_by_field_name():
 def test_context_parallel_width_is_k_over_c_only_for_aligned_segments():
     """The static routed batch of a CP rank (layers.context_parallel_width): any number up to min(k, L/C)
     of a sequence's tokens under whole-sequence top-k; exactly k/C when 2C divides S."""
-    from megatron_xmod.xmod.layers import context_parallel_width, load_balanced_positions
+    from megatron_xmod.xmod.layers import load_balanced_positions
+    from megatron_xmod.xmod.routing import context_parallel_width
 
     assert context_parallel_width(256, 1024, 2) == 256 and context_parallel_width(256, 1024, 8) == 128
     assert context_parallel_width(256, 1024, 4, segments=8) == 64

@@ -26,7 +26,7 @@ TABLE6_MODELS = ("dense", "mod", "xmod-a4k8", "xmod-a3k16", "moe-8x64", "moe-8x1
 def _launch(script: str | Path, timeout: int = 300, **env) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # not inside a job
     for knob in ("NODES", "NPROC", "TP", "PP", "CP", "SEQ", "GBS", "BACKBONE", "MODEL", "FLOPS", "DATA", "ITERS",
-                 "EXTRA_ARGS", "SMOKE", "DRY_RUN", "SPLIT"):
+                 "EXTRA_ARGS", "SMOKE", "DRY_RUN", "SPLIT", "ROUTING_SEGMENTS"):
         clean.pop(knob, None)
     clean.update({k: str(v) for k, v in env.items()})
     return subprocess.run(["bash", str(script)], cwd=ROOT, env=clean, capture_output=True, text=True, timeout=timeout)
@@ -165,6 +165,16 @@ def test_dry_run_with_context_parallelism_validates_cp_and_the_sequence_split():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--context-parallel-size 2" in proc.stdout and "CP 2, 80 sequences per step" in proc.stdout
     assert "[dry-run] OK: world size 64 = data-parallel 4 x TP 8 x PP 1 x CP 2" in proc.stdout
+    assert "min(L/K, L/2) tokens (2/K of a dense layer's CP traffic); --xmod-routing-segments 4" in proc.stdout
+    # ROUTING_SEGMENTS=4 (2 x CP): balanced CP ranks, and the routed layers' activations at L/(K CP)
+    balanced = _launch(SLURM / "xmod_1p65b.sh", DRY_RUN=1, CP=2, ROUTING_SEGMENTS=4)
+    assert balanced.returncode == 0, balanced.stderr[-3000:]
+    assert "--xmod-routing-segments 4" in balanced.stdout
+    assert "every CP rank holds exactly L/(K x 2) routed tokens" in balanced.stdout
+
+    def routed_gib(out):
+        return float(re.search(r"activations: routed layers\s+([0-9.]+) GiB", out).group(1))
+    assert routed_gib(balanced.stdout) < 0.6 * routed_gib(proc.stdout), (balanced.stdout[-2000:], proc.stdout[-2000:])
     proc = _launch(SLURM / "xmod_1p65b.sh", DRY_RUN=1, CP=2, SEQ=32752)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "seq_length: context parallelism splits a sequence into 2 x CP 2 x TP 8 (sequence parallelism) = 32" \

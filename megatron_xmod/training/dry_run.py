@@ -106,6 +106,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[dry-run] FAILED ({kind}): {error}", file=sys.stderr)
         return 1
     print(summary(args), flush=True)
+    from megatron_xmod.training.log import layout_from_args, routing_segments_note
+
+    note = routing_segments_note(args, layout_from_args(args))
+    if note:
+        print(f"[dry-run] routing: {note}", flush=True)
     from megatron_xmod.training.memory_estimate import check_launch_memory
 
     return check_launch_memory(args)  # refuses (1) above GPU_MEM_GB, default 80, before any allocation

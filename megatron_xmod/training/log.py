@@ -191,6 +191,21 @@ def _data_in_use(args) -> str:
     return "; ".join(parts) or "per-split data arguments file"
 
 
+def routing_segments_note(args, layout) -> str:
+    """What --xmod-routing-segments means for this run's routed layers ('' when it has none, or S = 1 without CP)."""
+    if layout.num_sparse_layers == 0:
+        return ""
+    segments, cp = getattr(args, "xmod_routing_segments", 1) or 1, getattr(args, "context_parallel_size", 1) or 1
+    if cp == 1:
+        return f"top-k over {segments} segments of {args.seq_length // segments} tokens" if segments > 1 else ""
+    if segments % (2 * cp) == 0:
+        return (f"top-k over {segments} segments: every CP rank holds exactly L/(K x {cp}) routed tokens of a sequence "
+                "(1/K of a dense layer's CP traffic)")
+    return (f"top-k over {'the whole sequence' if segments == 1 else f'{segments} segments'}: a CP rank's routed batch "
+            f"is sized for min(L/K, L/{cp}) tokens ({cp}/K of a dense layer's CP traffic); --xmod-routing-segments "
+            f"{2 * cp} (or a multiple) gives exactly L/(K x {cp}), docs/routing.md section 9")
+
+
 def startup_summary(args, argument_dump: str = "") -> str:
     """One block, printed by rank 0 before training: what will be trained, on what, for how long."""
     layout = layout_from_args(args)
@@ -224,6 +239,9 @@ def startup_summary(args, argument_dump: str = "") -> str:
             lines.append(f"documents  --reset-attention-mask: attention spans a token's own document, so the FLOPs above "
                          f"(attention over L = {args.seq_length}) are an upper bound; at a mean document length M: "
                          f"xmod count --seq-len {args.seq_length} --mean-doc-length M")
+    note = routing_segments_note(args, layout)
+    if note:
+        lines.append("routing    " + note)
     if args.train_iters:
         total = args.train_iters * tokens_per_step
         flops = f", {3 * counted.flops_per_token * total:.3g} training FLOPs" if counted else ""

@@ -44,6 +44,7 @@ from megatron_xmod.accounting import (
 )
 from megatron_xmod.moe.presets import MoEModel
 from megatron_xmod.presets import Backbone, ModelDescription
+from megatron_xmod.xmod.routing import context_parallel_width
 
 OPTIMIZERS = ("adam", "muon")
 RECOMPUTE = ("none", "selective", "full")
@@ -66,9 +67,10 @@ class Parallel:
     ep: int = 1  # expert parallel (megatron's --expert-model-parallel-size); MoE models only
     etp: Optional[int] = None  # expert tensor parallel (--expert-tensor-parallel-size); None: TP, megatron's default
     cp: int = 1  # context parallel (--context-parallel-size): each rank holds L/CP positions of every sequence
+    routing_segments: int = 1  # the run's --xmod-routing-segments: with 2 CP | S a rank's routed batch is L/(K CP)
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "micro_batch_size", "bytes_per_activation", "ep", "cp"):
+        for name in ("tp", "pp", "dp", "micro_batch_size", "bytes_per_activation", "ep", "cp", "routing_segments"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.etp is not None and int(self.etp) < 1:
@@ -173,13 +175,15 @@ def moe_layer_bytes(b: Backbone, shape: MoELayerShape, tokens: int, e: int = 4, 
 
 
 def routed_layer_bytes(b: Backbone, seq_tokens: int, sparsity_k: int, family: str = "xmod", e: int = 4,
-                       tp: int = 1, sp: bool = False, recompute: str = "none", cp: int = 1) -> float:
+                       tp: int = 1, sp: bool = False, recompute: str = "none", cp: int = 1,
+                       segments: int = 1) -> float:
     """Bytes a routed layer saves (inside a chain, without the block's base), ``seq_tokens`` = L x b.
 
-    Under context parallelism a rank runs its routed tokens at the static width min(L/K, L/CP) per
-    sequence (it may hold any number of them) and keeps the keys and values gathered from every CP rank;
-    its router scores stay full length (every rank routes the whole sequence)."""
-    routed = min(seq_tokens / sparsity_k, seq_tokens / cp)
+    Under context parallelism a rank runs its routed tokens at the static width of
+    routing.context_parallel_width per sequence (min(L/K, L/CP): it may hold any number of them; L/(K CP)
+    with ``segments`` a multiple of 2 CP) and keeps the keys and values gathered from every CP rank; its
+    router scores stay full length (every rank routes the whole sequence)."""
+    routed = context_parallel_width(seq_tokens / sparsity_k, seq_tokens, cp, segments)
     h_split = tp if sp else 1
     # the chain's rows: under sequence parallelism every rank keeps all routed rows (a static shape, no
     # host sync), at most all of its own
@@ -281,7 +285,8 @@ def estimate(description: ModelDescription, seq_len: int, parallel: Parallel,
             dense += block_base_bytes(b, local, e, tp, sp)
             continue
         if layer.is_sparse:
-            routed += routed_layer_bytes(b, tokens, layer.sparsity_k, layout.family, e, tp, sp, p.recompute, p.cp)
+            routed += routed_layer_bytes(b, tokens, layer.sparsity_k, layout.family, e, tp, sp, p.recompute, p.cp,
+                                         p.routing_segments)
             if moe is not None:  # its layer runs megatron's MoE layer, not the dense one, on the routed tokens
                 inner = tokens / layer.sparsity_k
                 routed += (moe_layer_bytes(b, moe, inner, e, tp, sp, p.recompute, p.ep, etp)
@@ -329,6 +334,9 @@ def add_memory_arguments(p) -> None:
                         "default: --tp, as megatron)")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size, megatron's --context-parallel-size (--memory)")
+    p.add_argument("--routing-segments", type=int, default=1,
+                   help="the run's --xmod-routing-segments (--memory): with --cp C and 2C dividing it, a rank's "
+                        "routed batch is L/(K C) tokens instead of min(L/K, L/C)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (--memory)")
     p.add_argument("--recompute", default="none", choices=RECOMPUTE, help="activation recompute (--memory)")
     p.add_argument("--sequence-parallel", action="store_true", help="megatron's sequence parallelism (--memory)")
@@ -343,7 +351,8 @@ def parallel_from_args(args) -> Parallel:
     return Parallel(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch_size=args.micro_batch_size,
                     sequence_parallel=args.sequence_parallel, recompute=args.recompute, optimizer=args.optimizer,
                     distributed_optimizer=args.distributed_optimizer, ep=getattr(args, "ep", 1),
-                    etp=getattr(args, "etp", None), cp=getattr(args, "cp", 1))
+                    etp=getattr(args, "etp", None), cp=getattr(args, "cp", 1),
+                    routing_segments=getattr(args, "routing_segments", 1))
 
 
 def print_memory(args, backbone: Backbone, models: list[str]) -> int:
@@ -434,7 +443,8 @@ def estimate_from_args(args) -> MemoryEstimate:
         num_microbatches=max(1, args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)),
         ep=getattr(args, "expert_model_parallel_size", None) or 1,
         etp=getattr(args, "expert_tensor_parallel_size", None),
-        cp=getattr(args, "context_parallel_size", None) or 1)
+        cp=getattr(args, "context_parallel_size", None) or 1,
+        routing_segments=getattr(args, "xmod_routing_segments", None) or 1)
     return estimate(ModelDescription(layout.notation, backbone, layout), args.seq_length, parallel, moe=moe)
 
 

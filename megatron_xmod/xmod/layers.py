@@ -33,6 +33,7 @@ from megatron_xmod.xmod.permute import gather_tokens, scatter_gated
 from megatron_xmod.xmod.routing import (
     SparseLayerRouting,
     capacity_selection,
+    context_parallel_width,
     gated_residual,
     jaccard_tensor,
     router_bce_loss,
@@ -150,16 +151,6 @@ def _load_balanced_causal_mask(keys: int, cp_size: int, rank: int, device: str) 
     """[1, 1, L/C, L] megatron's mask (True = masked) of rank ``rank``'s queries over the gathered keys."""
     positions = load_balanced_positions(keys, cp_size, device)
     return (positions.reshape(1, -1) > positions[rank].unsqueeze(1)).view(1, 1, keys // cp_size, keys)
-
-
-def context_parallel_width(routed: int, seq_len: int, cp_size: int, segments: int = 1) -> int:
-    """The static number of a sequence's ``routed`` tokens that one CP rank may hold (the width of its
-    routed batch, XModSparseLayer._context_parallel_batch): under top-k over the whole sequence any
-    number up to min(k, L/C); under segment-local top-k whose segments megatron's 2C load-balanced
-    chunks hold whole (S a multiple of 2C), exactly k/C, since each rank holds S/C segments of k/S."""
-    if segments > 1 and segments % (2 * cp_size) == 0:
-        return routed // cp_size
-    return min(routed, seq_len // cp_size)
 
 
 def gather_context_parallel(x: torch.Tensor, group) -> torch.Tensor:

@@ -130,6 +130,16 @@ def select_topk(scores: torch.Tensor, sparsity_k: int, segments: int = 1) -> tor
     return (torch.sort(indices, dim=1).values + starts).reshape(k, batch)
 
 
+def context_parallel_width(routed: int, seq_len: int, cp_size: int, segments: int = 1) -> int:
+    """The static number of a sequence's ``routed`` tokens that one CP rank may hold (the width of its
+    routed batch, XModSparseLayer._context_parallel_batch): under top-k over the whole sequence any
+    number up to min(k, L/C); under segment-local top-k whose segments megatron's 2C load-balanced
+    chunks hold whole (S a multiple of 2C), exactly k/C, since each rank holds S/C segments of k/S."""
+    if segments > 1 and segments % (2 * cp_size) == 0:
+        return routed // cp_size
+    return min(routed, seq_len // cp_size)
+
+
 def select_threshold(scores: torch.Tensor) -> torch.Tensor:
     """Boolean mask ``[s, b]``: sigmoid(score) >= 0.5."""
     return scores.detach() >= 0
