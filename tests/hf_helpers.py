@@ -15,6 +15,8 @@ KINDS = {
     "dense-interleaved-rope": ("D*2", dict(rotary_interleaved=True, qk_layernorm=False)),
     "mod": ("D + (S4 + D)*2 + D", {"xmod_routing_family": "mod"}),
     "xmod": ("D + (S4*2 + D)*2 + D", {"xmod_routing_family": "xmod"}),
+    # top-k per segment (--xmod-routing-segments): the export's routing_segments, read by routing_rule="topk"
+    "xmod-segments": ("D + (S4*2 + D)*2 + D", {"xmod_routing_family": "xmod", "xmod_routing_segments": 4}),
     "moe": ("moe-8x64", {"num_moe_experts": 8, "moe_router_topk": 2}),
     "dtopp": ("dtopp-t2-e8", {}),
     # routed layers whose feed-forward is the MoE layer (issue 24), dense anchors and prefix MoE too

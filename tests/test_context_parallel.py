@@ -116,6 +116,20 @@ def test_cp2_pp2_boundary_inside_sparse_block_matches_cp1(reference):
                  "--pipeline-model-parallel-layout", "Et*2|t*6L")
 
 
+def test_routing_segments_cp2_tp2_sequence_parallel_match_cp1(tmp_path):
+    """--xmod-routing-segments 4 (2 x CP) through the entry point: every CP rank's routed batch is exactly
+    its k/2 tokens, split over TP 2 by sequence parallelism; CP2 x TP2 + SP reproduces CP1 (same S)."""
+    routed = ["--xmod-routing-family", "xmod", "--xmod-layout", "D + (S4 + S16 + D)*2 + D",
+              "--xmod-token-choice-bias-tau", "0.5", "--xmod-routing-segments", "4"]
+    data, checkpoint, (train_ref, valid_ref) = common_start(tmp_path, routed, ITERS)
+    train, valid = routed_run(4, data, routed, ITERS, "--load", str(checkpoint), "--context-parallel-size", "2",
+                              "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    assert sorted(train) == list(range(2, ITERS + 1)) and valid.keys() == valid_ref.keys()
+    assert train == pytest.approx({i: train_ref[i] for i in train}, rel=1e-5)
+    for iteration, values in valid.items():
+        assert values == pytest.approx(valid_ref[iteration], rel=1e-5), (valid, valid_ref)
+
+
 # S64 routes one token a sequence (one CP rank holds none of it); S4 sixteen, across document boundaries
 DOCUMENT_MODELS = {"dense": ["--num-layers", "2"],
                    "routed": ["--num-layers", "4", "--xmod-routing-family", "xmod", "--xmod-layout", "D + S4 + S64 + D"]}

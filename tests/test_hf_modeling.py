@@ -56,6 +56,20 @@ def test_logits_match_megatron_in_eval_mode(seeded, kind):
         assert not torch.allclose(got_topk, got, atol=1e-3), "top-k and threshold routing should differ here"
 
 
+def test_segment_topk_reaches_the_export(seeded):
+    """--xmod-routing-segments 4: the HF config records it and top-k scoring ranks within the 4 segments
+    (the parity above holds for this kind); read as whole-sequence top-k, the logits differ."""
+    model, config = build_megatron("xmod-segments")
+    hf = hf_twin(model, config)
+    assert hf.config.routing_segments == 4
+    tokens = _tokens()
+    with torch.no_grad():
+        segmented = hf(tokens, routing_rule="topk").logits
+        hf.config.routing_segments = 1
+        whole = hf(tokens, routing_rule="topk").logits
+    assert not torch.allclose(segmented, whole, atol=1e-3)
+
+
 def test_routing_is_mixed_in_the_parity_models(seeded):
     """The parity above means something only if routing selects some but not all tokens."""
     model, config = build_megatron("xmod")
@@ -137,6 +151,7 @@ def test_adapter_refuses_foreign_keys_and_configs(seeded):
     (dict(routing_family="xmod", layer_kinds=["dense", "sparse"], layer_sparsity_k=[1, 0], num_hidden_layers=2),
      "^layer_sparsity_k:"),
     (dict(routing_rule="random"), "^routing_rule:"),
+    (dict(routing_segments=0), "^routing_segments:"),
     (dict(num_experts=4, moe_intermediate_size=8, moe_router_type="dtopp", moe_score_function="sigmoid"),
      "^moe_score_function:"),
     (dict(num_key_value_heads=3), "^num_key_value_heads:"),
