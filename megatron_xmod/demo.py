@@ -38,7 +38,10 @@ MODELS = {
     "xmod": ("xmod", "D*2 + (S4*4 + D)*2"),
     "moe": ("dense", "D*6+moe-8x64"),
     "xmod-moe": ("xmod", "D*2 + (S4*4 + D)*2+moe-8x64"),
+    "xmod-seg4": ("xmod", "D*2 + (S4*4 + D)*2"),  # top-k per quarter of the sequence (bench/quality.py)
 }
+# Training flags of a model beyond its family and layout (the routing rule of a variant).
+MODEL_FLAGS = {"xmod-seg4": ["--xmod-routing-segments", "4"]}
 
 
 def _free_port() -> int:
@@ -89,7 +92,7 @@ def _train(name: str, iters: int, args, corpus_args: list[str], out: Path) -> Pa
     run_dir.mkdir(parents=True, exist_ok=True)
     common = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
               "-m", "megatron_xmod.pretrain", "--xmod-routing-family", family, "--xmod-layout", layout,
-              *(["--moe-preset", moe] if moe else []),
+              *(["--moe-preset", moe] if moe else []), *MODEL_FLAGS.get(name, ()),
               *backbone_flags(DEMO_BACKBONE), *CPU_FLAGS, *corpus_args,
               "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
               "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
