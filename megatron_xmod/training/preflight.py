@@ -66,12 +66,22 @@ def validate_before_training(args, vocab_size: Optional[int] = None) -> None:
 def check_document_masks(args, routed: bool) -> None:
     """Per-document attention (docs/routing.md, 'Document masks'): --reset-attention-mask needs the
     dataloader's mask, and routed layers apply it with the SDPA core attention only; packed sequences
-    (THD, cu_seqlens) are refused: the forward step builds no packed_seq_params and routed layers take none."""
+    (--dataloader-inter-document-masking: THD with cu_seqlens) likewise, and not under context or
+    pipeline parallelism."""
     if getattr(args, "dataloader_inter_document_masking", False):
-        raise ValueError("dataloader_inter_document_masking: packed sequences (THD, cu_seqlens) are not supported: the "
-                         "forward step builds no packed_seq_params and routed layers gather their tokens from an "
-                         "[s, b] batch; drop --dataloader-inter-document-masking and use --reset-attention-mask (a "
-                         "block-diagonal causal mask per document)")
+        local = args.transformer_impl == "local"
+        if routed and not local:
+            raise ValueError(f"dataloader_inter_document_masking: routed layers keep their routed tokens inside their "
+                             f"documents with the SDPA core attention of --transformer-impl local only "
+                             f"(--transformer-impl {args.transformer_impl}); train with --transformer-impl local")
+        if args.context_parallel_size > 1 and (routed or local):
+            raise ValueError("dataloader_inter_document_masking: packed sequences under context parallelism need "
+                             "TransformerEngine attention and a dense model; use --reset-attention-mask (document "
+                             "masks work under CP) or --context-parallel-size 1")
+        if args.pipeline_model_parallel_size > 1:
+            raise ValueError("dataloader_inter_document_masking: packed sequences (one [mbs x L, 1, h] row a "
+                             "micro-batch) are not passed between pipeline stages by this entry point; use "
+                             "--reset-attention-mask (document masks work with PP) or --pipeline-model-parallel-size 1")
     if not args.reset_attention_mask:
         return
     if not args.create_attention_mask_in_dataloader:

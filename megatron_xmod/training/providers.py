@@ -57,6 +57,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         split=args.split, path_to_cache=args.data_cache_path, tokenizer=get_tokenizer(),
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        # packed sequences: each sample's document boundaries (cu_seqlens), training/step.py packs the micro-batch
+        inter_document_masking=getattr(args, "dataloader_inter_document_masking", False),
     )
     # --mock-data: megatron's synthetic MockGPTDataset (no blend), as Megatron-LM's pretrain_gpt.py does.
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset

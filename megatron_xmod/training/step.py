@@ -179,6 +179,23 @@ def _validate_loss(loss: torch.Tensor, report: Optional[_NonfiniteReport] = None
                             message="found Inf in local forward loss calculation")
 
 
+def packed_batch(batch: dict, seq_length: int):
+    """(batch, packed_seq_params): a batch with the dataset's document boundaries (``cu_seqlens``,
+    --dataloader-inter-document-masking) packed into one row of THD tokens with megatron's own
+    flatten_batch_for_packed_sequences, and megatron's PackedSeqParams for it, as Megatron-LM's
+    pretrain_gpt.py builds them; (batch, None) for any other batch."""
+    if batch.get("cu_seqlens") is None:
+        return batch, None
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.utils import flatten_batch_for_packed_sequences
+
+    batch = flatten_batch_for_packed_sequences(dict(batch))
+    cu_seqlens = batch["cu_seqlens"].squeeze(0)
+    longest = int(batch["max_seqlen"].max())  # the host read Megatron-LM makes too (FlashAttention's varlen bound)
+    return batch, PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                  max_seqlen_q=longest, max_seqlen_kv=longest, tokens_per_sample=seq_length)
+
+
 def context_parallel_batch(batch: dict) -> dict:
     """This CP rank's part of ``batch``: megatron's load-balanced split (get_batch_on_this_cp_rank, as
     Megatron-LM's pretrain_gpt.py makes it), the attention mask's key columns then put in the order
@@ -213,17 +230,17 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     if model.training:  # megatron sets curr_iteration before each train step, restored on resume
         set_iteration(model, get_args().curr_iteration)
     before = nonfinite_totals(model)
-    batch = context_parallel_batch(next(data_iterator))
+    batch, packed = packed_batch(context_parallel_batch(next(data_iterator)), get_args().seq_length)
     tokens, labels = batch["tokens"], batch["labels"]
     loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
     attention_mask = batch.get("attention_mask")
     z_coefficient = getattr(get_attr_wrapped_model(model, "config"), "lm_z_loss_coeff", 0.0)
     if z_coefficient > 0 and model.training:
         # the z-loss needs the logits, so the loss is computed here instead of inside GPTModel
-        output = model(tokens, position_ids, attention_mask)
+        output = model(tokens, position_ids, attention_mask, packed_seq_params=packed)
         lm_z_loss = (labels, z_coefficient)
     else:
-        output = model(tokens, position_ids, attention_mask, labels=labels)
+        output = model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=packed)
         lm_z_loss = None
     router_bce = take_microbatch_loss(model) if model.training else None
 
@@ -233,6 +250,6 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         rule = "topk" if routed[0].routing_state.eval_rule == "threshold" else "threshold"
         # statistics_paused: the eval_* routing statistics describe the evaluation rule, not this comparison.
         with eval_routing(model, rule), statistics_paused(model), torch.no_grad():
-            topk_losses = model(tokens, position_ids, attention_mask, labels=labels)
+            topk_losses = model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=packed)
     return output, partial(loss_func, loss_mask, router_bce, topk_losses, lm_z_loss,
                            nonfinite=nonfinite_since(model, before))

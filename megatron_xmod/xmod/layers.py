@@ -47,7 +47,10 @@ class SDPAttention(DotProductAttention):
 
     megatron's local ``DotProductAttention`` materialises the full [b, heads, s, s] score matrix, which
     rules out the paper's L = 32k on GPU; SDPA dispatches to flash / memory-efficient kernels there and
-    to the math kernel on CPU. Same constructor and forward contract as DotProductAttention.
+    to the math kernel on CPU. Same constructor and forward contract as DotProductAttention, and it
+    takes megatron's packed sequences (THD, ``packed_seq_params``), which DotProductAttention refuses:
+    causal attention inside each document of ``cu_seqlens``, through an explicit [t, t] mask (the CPU
+    and test path; GPU runs of packed sequences use TransformerEngine's varlen kernels).
 
     Context parallelism (``context_parallel_size`` C > 1) with megatron's semantics for this path (on GPU
     TransformerEngine's attention implements them; this class lets dense and routed layers run under CP
@@ -78,8 +81,13 @@ class SDPAttention(DotProductAttention):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None:
-            raise ValueError("packed_seq_params: packed sequences need TransformerEngine attention (--transformer-impl transformer_engine)")
+        packed = packed_seq_params is not None
+        if packed:  # THD: [t, heads, d], the micro-batch's documents one after another
+            if self.cp_group is not None:
+                raise ValueError("packed_seq_params: packed sequences under context parallelism need TransformerEngine "
+                                 "attention; use --reset-attention-mask (document masks) with --transformer-impl local")
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+            attention_mask = packed_document_mask(packed_seq_params, query.shape[0])
         if attention_bias is not None:
             raise ValueError("attention_bias: not supported by SDPAttention")
         if self.config.apply_query_key_layer_scaling:
@@ -105,7 +113,7 @@ class SDPAttention(DotProductAttention):
                 q, k, v, attn_mask=sdpa_mask, dropout_p=dropout, is_causal=is_causal,
                 scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1],
             )
-        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)  # THD: [t, 1, h]
 
     def _context_parallel_keys(self, key, value, attention_mask, mask_type):
         """Keys and values of the whole CP group ([C*sk, b, groups, d], rank order) and the mask over them:
@@ -207,6 +215,24 @@ class RouterLossAutoScaler(torch.autograd.Function):
         return grad_output, scale, None, None, None
 
 
+def packed_documents(packed_seq_params, tokens: int):
+    """(document id [t], position inside its document [t]) of the ``tokens`` of megatron's packed
+    sequences (THD: ``cu_seqlens``, the padded ones when given, as megatron's RoPE reads them)."""
+    cu = packed_seq_params.cu_seqlens_q_padded
+    cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+    cu = cu.to(torch.long)
+    positions = torch.arange(tokens, device=cu.device)
+    ids = torch.searchsorted(cu[1:], positions, right=True)
+    return ids, positions - cu[ids]
+
+
+def packed_document_mask(packed_seq_params, tokens: int) -> torch.Tensor:
+    """megatron's mask (True = masked) [1, 1, t, t] of packed sequences: causal inside each document."""
+    ids, _ = packed_documents(packed_seq_params, tokens)
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=ids.device).tril()
+    return ~(causal & (ids.unsqueeze(1) == ids.unsqueeze(0))).view(1, 1, tokens, tokens)
+
+
 def _gather_positions(rotary_pos_emb, indices: torch.Tensor):
     """RoPE frequencies ``[s, 1, 1, d]`` -> per-sequence ``[k, b, 1, d]`` at the routed positions."""
     if rotary_pos_emb is None:
@@ -254,7 +280,12 @@ def _document_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Ten
 
 def _gather_document_mask(document_mask: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """megatron's [b or 1, 1, s, s] mask (True = masked) at the routed positions ``indices`` [k, b]:
-    [b, k, k], rows the routed queries, columns the routed keys of the same sequence."""
+    [b, k, k], rows the routed queries, columns the routed keys of the same sequence. A 1-D
+    ``document_mask`` is the positions' document ids instead (packed sequences, :func:`packed_documents`):
+    masked where query and key lie in different documents."""
+    if document_mask.dim() == 1:
+        ids = document_mask[indices.t()]  # [b, k]
+        return ids.unsqueeze(2) != ids.unsqueeze(1)
     if document_mask.dim() != 4 or document_mask.shape[1] != 1 or document_mask.shape[2] != document_mask.shape[3]:
         raise ValueError(f"attention_mask: routed layers take megatron's [b, 1, s, s] mask, got shape "
                          f"{tuple(document_mask.shape)}; pass a [b or 1, 1, s, s] boolean mask (True = masked)")
@@ -327,14 +358,18 @@ class XModSparseLayer(TransformerLayer):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None, context_mask=None,
                 rotary_pos_emb=None, inference_context=None, packed_seq_params=None, **unused):
-        if inference_context is not None or packed_seq_params is not None:
-            raise ValueError("inference_context/packed_seq_params: not supported by routed layers (packed THD "
-                             "sequences: train with --reset-attention-mask instead, docs/routing.md 'Document masks')")
+        if inference_context is not None:
+            raise ValueError("inference_context: megatron's inference is not supported by routed layers; export the "
+                             "checkpoint (xmod export-hf) and generate with transformers, docs/hf.md")
         attention_mask = _document_mask(attention_mask)
+        samples = 1  # sequences the routed rows hold one after another (packed sequences: the micro-batch's)
+        if packed_seq_params is not None:
+            attention_mask, rotary_pos_emb, samples = self._packed_sequences(packed_seq_params, attention_mask,
+                                                                             rotary_pos_emb, hidden_states)
         if attention_mask is not None and not isinstance(self.self_attention.core_attention, SDPAttention):
             raise ValueError(
-                f"attention_mask: routed layers apply a document mask (--reset-attention-mask) with the SDPA core "
-                f"attention of --transformer-impl local only, this layer's is "
+                f"attention_mask: routed layers apply a document mask (--reset-attention-mask, packed sequences) "
+                f"with the SDPA core attention of --transformer-impl local only, this layer's is "
                 f"{type(self.self_attention.core_attention).__name__}, which would ignore it; train with "
                 "--transformer-impl local, or pass attention_mask=None for plain causal attention")
         state = self.routing_state
@@ -355,7 +390,7 @@ class XModSparseLayer(TransformerLayer):
         # It writes into the routing state's buffers itself (a recompute replay writes none of them): the
         # updated bias (in place) and, under top-k, the routed set and the call's statistics.
         step = routing_step(logits, routing.sparsity_k, rule, carried_bias, tau, routing.token_choice_bias_increment,
-                            segments=routing.routing_segments,
+                            segments=routing.routing_segments * samples,
                             **self._step_destinations(state, rule, phase, (seq_len, batch), previous_selected,
                                                       logits.device))
         decision, bias, gate = step.decision, step.bias, step.gate
@@ -402,6 +437,31 @@ class XModSparseLayer(TransformerLayer):
                       hidden_states.detach().reshape(-1, hidden_states.shape[-1]).index_select(0, written))
             state.router_inputs.put(self.layer_number, chain, output, written, before)
         return output, context
+
+    def _packed_sequences(self, packed_seq_params, attention_mask, rotary_pos_emb, hidden_states):
+        """megatron's packed sequences (THD: the micro-batch's samples, and their documents, one after
+        another in a [t, 1, h] batch) as this layer routes them: (the tokens' document ids, which
+        _routed_document_mask turns into the routed batch's mask; RoPE frequencies at each token's position
+        inside its document, as megatron's THD RoPE applies them, indexed by packed position; the number
+        of samples, each of which top-k ranks on its own, as in an [s, b] batch)."""
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"packed_seq_params: routed layers take megatron's THD packed sequences, got qkv_format "
+                             f"{packed_seq_params.qkv_format!r}")
+        if self.cp_group is not None:
+            raise ValueError("packed_seq_params: packed sequences under context parallelism are not supported by routed "
+                             "layers (megatron balances them per document over the CP ranks); drop "
+                             "--dataloader-inter-document-masking and use --reset-attention-mask")
+        if attention_mask is not None or hidden_states.shape[1] != 1:
+            raise ValueError(f"packed_seq_params: a packed batch is one row [t, 1, h] without an attention mask, got "
+                             f"shape {tuple(hidden_states.shape)}" + (" and a mask" if attention_mask is not None else ""))
+        tokens = hidden_states.shape[0] * self._sequence_shards()
+        ids, inside = packed_documents(packed_seq_params, tokens)
+        per_sample = packed_seq_params.tokens_per_sample
+        samples = tokens // per_sample if per_sample and tokens % per_sample == 0 else 1
+        if rotary_pos_emb is not None:
+            rotary_pos_emb = (tuple(freqs.index_select(0, inside) for freqs in rotary_pos_emb)
+                              if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb.index_select(0, inside))
+        return ids, rotary_pos_emb, samples
 
     # --- megatron's CUDA graphs (--cuda-graph-impl local | transformer_engine) -----------------------
     # What the layer reads and writes besides its inputs and outputs lives in the routing state's
