@@ -117,8 +117,9 @@ def test_cp2_pp2_boundary_inside_sparse_block_matches_cp1(reference):
 
 
 def test_routing_segments_cp2_tp2_sequence_parallel_match_cp1(tmp_path):
-    """--xmod-routing-segments 4 (2 x CP) through the entry point: every CP rank's routed batch is exactly
-    its k/2 tokens, split over TP 2 by sequence parallelism; CP2 x TP2 + SP reproduces CP1 (same S)."""
+    """--xmod-routing-segments 4 (2 x CP) through the entry point: CP2 x TP2 + SP reproduces CP1 (same S).
+    That each CP rank's routed batch is then exactly its k/2 tokens is checked at unit level
+    (test_routed_layers_under_cp2_match_cp1[xmod-segments])."""
     routed = ["--xmod-routing-family", "xmod", "--xmod-layout", "D + (S4 + S16 + D)*2 + D",
               "--xmod-token-choice-bias-tau", "0.5", "--xmod-routing-segments", "4"]
     data, checkpoint, (train_ref, valid_ref) = common_start(tmp_path, routed, ITERS)

@@ -32,7 +32,7 @@ def test_topk_selects_exactly_l_over_k_in_position_order():
 def test_topk_needs_whole_capacity():
     with pytest.raises(ValueError, match="seq_length"):
         topk_count(10, 4)
-    with pytest.raises(ValueError, match="seq_length: .*S x K = 16 x 8.*--xmod-routing-segments"):
+    with pytest.raises(ValueError, match="seq_length: .*segments x sparsity K = 16 x 8.*--xmod-routing-segments"):
         topk_count(64, 8, segments=16)  # 4 tokens a segment cannot route 1/8 of them
     assert topk_count(64, 8, segments=8) == 8
 
@@ -68,7 +68,7 @@ def test_routing_segments_validated_by_field_name():
 
 
 def test_context_parallel_width_is_k_over_c_only_for_aligned_segments():
-    """The static routed batch of a CP rank (layers.context_parallel_width): any number up to min(k, L/C)
+    """The static routed batch of a CP rank (routing.context_parallel_width): any number up to min(k, L/C)
     of a sequence's tokens under whole-sequence top-k; exactly k/C when 2C divides S."""
     from megatron_xmod.xmod.layers import load_balanced_positions
     from megatron_xmod.xmod.routing import context_parallel_width

@@ -114,7 +114,7 @@ def _reduce(routing: dict, main: SelectionRecorder, topk_pass: SelectionRecorder
         # the paper's agreement: in the top-k-driven forward, both masks from the same scores
         agreement = MaskAgreement()
         for scores in topk_pass.scores[number]:
-            agreement.add(*masks_at_scores(scores, spec.sparsity_k))
+            agreement.add(*masks_at_scores(scores, spec.sparsity_k, spec.routing_segments))
         total_agreement.both += agreement.both
         total_agreement.threshold_only += agreement.threshold_only
         total_agreement.topk_only += agreement.topk_only

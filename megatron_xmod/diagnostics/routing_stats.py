@@ -164,7 +164,8 @@ class MaskAgreement:
         }
 
 
-def masks_at_scores(scores: torch.Tensor, sparsity_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(threshold mask, top-k mask) of one layer's bias-adjusted scores ``[s, b]``."""
-    topk = indices_to_mask(select_topk(scores, sparsity_k), scores.shape[0])
+def masks_at_scores(scores: torch.Tensor, sparsity_k: int, segments: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(threshold mask, top-k mask) of one layer's bias-adjusted scores ``[s, b]``; ``segments``: the
+    layer's routing segments (top-k per segment, as it trained)."""
+    topk = indices_to_mask(select_topk(scores, sparsity_k, segments), scores.shape[0])
     return select_threshold(scores), topk

@@ -170,7 +170,8 @@ class XModHFConfig(PretrainedConfig):
         need(has_sparse == (self.routing_family != "dense"),
              f"routing_family: {self.routing_family!r} with {'some' if has_sparse else 'no'} sparse layers; a "
              "dense family has no sparse layer and a routed family (mod, xmod) has at least one")
-        need(isinstance(self.routing_segments, int) and self.routing_segments >= 1,
+        need(isinstance(self.routing_segments, int) and not isinstance(self.routing_segments, bool)
+             and self.routing_segments >= 1,
              f"routing_segments: the segments top-k ranks a sequence in must be an integer >= 1, got "
              f"{self.routing_segments!r}")
         for name in ("token_choice_bias_tau", "token_choice_bias_increment"):

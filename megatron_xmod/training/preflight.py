@@ -26,6 +26,7 @@ import numpy as np
 from megatron_xmod.data.splits import split_document_ranges, working_split
 from megatron_xmod.data.tokenizer_record import RECORD_SUFFIX, mismatch, read_record, run_tokenizer, stale
 from megatron_xmod.training.providers import config_from_args
+from megatron_xmod.xmod.routing import topk_count
 
 _SPLIT_NAMES = ("train", "validation", "test")
 # megatron/core/datasets/indexed_dataset.py: header, version, dtype code, sequence and document counts
@@ -45,13 +46,9 @@ def validate_before_training(args, vocab_size: Optional[int] = None) -> None:
     ks = {layer.sparsity_k for layer in config.layer_layout.layers if layer.is_sparse}
     check_document_masks(args, routed=bool(ks))
     check_context_parallel(args)
-    segments = getattr(args, "xmod_routing_segments", 1)
+    segments = getattr(args, "xmod_routing_segments", 1) or 1
     for k in sorted(ks):
-        if args.seq_length % (k * segments):
-            raise ValueError(f"seq_length: {args.seq_length} is not divisible by sparsity K={k}"
-                             + (f" x routing segments S={segments} (top-k routes exactly L/(S K) tokens a segment); "
-                                "change --seq-length or --xmod-routing-segments" if segments > 1 else
-                                " (top-k routes exactly L/K tokens)"))
+        topk_count(args.seq_length, k, segments)  # seq_length: L must split into S x K (top-k routes L/K exactly)
     check_outputs(args)
     check_blend(args)
     check_resume_point(args)

@@ -289,11 +289,17 @@ def _gather_document_mask(document_mask: torch.Tensor, indices: torch.Tensor) ->
     if document_mask.dim() != 4 or document_mask.shape[1] != 1 or document_mask.shape[2] != document_mask.shape[3]:
         raise ValueError(f"attention_mask: routed layers take megatron's [b, 1, s, s] mask, got shape "
                          f"{tuple(document_mask.shape)}; pass a [b or 1, 1, s, s] boolean mask (True = masked)")
-    k, batch = indices.shape
-    mask = document_mask[:, 0].bool().expand(batch, -1, -1)  # [b, s, s]
     positions = indices.t()  # [b, k]
-    rows = torch.gather(mask, 1, positions.unsqueeze(-1).expand(-1, -1, mask.shape[2]))  # [b, k, s]
-    return torch.gather(rows, 2, positions.unsqueeze(1).expand(-1, k, -1))  # [b, k, k]
+    return _mask_at(document_mask, positions, positions)
+
+
+def _mask_at(document_mask: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """megatron's mask [b or 1, 1, sq, sk] at the query rows ``queries`` [b, q] and key columns ``keys``
+    [b, k] of each sequence: [b, q, k], read element by element (no [b, q, sk] intermediate)."""
+    batch = queries.shape[0]
+    sequence = torch.arange(batch, device=queries.device) if document_mask.shape[0] > 1 else \
+        torch.zeros(batch, dtype=torch.long, device=queries.device)
+    return document_mask[:, 0].bool()[sequence.view(-1, 1, 1), queries.unsqueeze(2), keys.unsqueeze(1)]
 
 
 def _context_parallel_document_mask(document_mask: torch.Tensor, rows: torch.Tensor, rank: int,
@@ -306,12 +312,9 @@ def _context_parallel_document_mask(document_mask: torch.Tensor, rows: torch.Ten
         raise ValueError(f"attention_mask: a routed layer under context parallelism takes this rank's rows of "
                          f"megatron's mask, [b, 1, {cp_len}, {cp_len * cp}], got shape {tuple(document_mask.shape)}; "
                          "split the batch with megatron_xmod.training.step.context_parallel_batch")
-    mask = document_mask[:, 0].bool().expand(batch, -1, -1)  # [b, L/C, L]
-    queries = rows[:, rank].t()  # [b, w]
     offsets = torch.arange(cp, device=rows.device).view(1, cp, 1) * cp_len
     keys = (rows + offsets).permute(2, 1, 0).reshape(batch, -1)  # [b, C*w]: rank c's row j at c*w + j
-    at_queries = torch.gather(mask, 1, queries.unsqueeze(-1).expand(-1, -1, mask.shape[2]))  # [b, w, L]
-    return torch.gather(at_queries, 2, keys.unsqueeze(1).expand(-1, queries.shape[1], -1))
+    return _mask_at(document_mask, rows[:, rank].t(), keys)
 
 
 def _cuda_graphs(config) -> bool:

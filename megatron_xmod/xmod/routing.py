@@ -6,7 +6,7 @@ megatron: scores are ``[s, b]`` (sequence first).
 - training: per-sequence top-k with k = L/K exactly; indices sorted by position so that causal
   attention among the routed tokens stays causal (Raposo et al.; X-MoD keeps this). With S routing
   segments the top L/(S K) of each of S equal, contiguous segments instead (k stays L/K): what lets
-  context parallelism give every rank exactly k/C routed tokens (docs/long_context.md);
+  context parallelism give every rank exactly k/C routed tokens (docs/routing.md, section 9);
 - evaluation: the causal threshold rule sigma(s - tau*b) >= 0.5, i.e. s - tau*b >= 0, which
   depends on nothing but the token's own state (deployable autoregressively);
 - token-choice bias b (Eq.8): carried across the consecutive sparse layers of a block, raised by
@@ -106,11 +106,12 @@ def topk_count(seq_len: int, sparsity_k: int, segments: int = 1) -> int:
     """k = L/K exactly: the training capacity is a whole fraction of the sequence (with S routing
     segments, of each segment: L/(S K) a segment, still L/K a sequence)."""
     if seq_len % (sparsity_k * segments):
-        per = f"S x K = {segments} x {sparsity_k}" if segments > 1 else f"sparsity K ({sparsity_k})"
+        per = (f"routing segments x sparsity K = {segments} x {sparsity_k}" if segments > 1
+               else f"sparsity K ({sparsity_k})")
         raise ValueError(
             f"seq_length: top-k routing needs the sequence length ({seq_len}) to be divisible by "
-            f"{per} so that exactly L/K tokens are routed; change --seq-length"
-            + (" or --xmod-routing-segments" if segments > 1 else "")
+            f"{per} so that exactly L/K tokens are routed; change the sequence length"
+            + (" or the routing segments (--xmod-routing-segments; HF: routing_segments)" if segments > 1 else "")
         )
     return seq_len // sparsity_k
 

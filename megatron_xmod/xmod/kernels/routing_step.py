@@ -25,7 +25,8 @@ backend ran (instrumentation for tests and benchmarks; it holds no model state).
 
 Only the top-k rule (training) over whole sequences is fused: the threshold rule of evaluation
 selects a different number of tokens per sequence, and segment-local top-k (``segments`` > 1,
-``--xmod-routing-segments``) ranks within segments; both take the torch path.
+``--xmod-routing-segments``) ranks within segments; both take the torch path, whatever ``backend=``
+or the environment ask for (``launch_counts`` then counts a torch step).
 
 Tie rule: the Triton kernel gives ties at the k-th score to the earliest positions; torch.topk
 leaves the choice unspecified. With continuous logits ties are rare, but bf16 logits (as
