@@ -100,6 +100,7 @@ MODES = {
     "xmod": dict(),  # router BCE on (default 1e-4), token-choice bias tau 0.5
     "mod": dict(xmod_routing_family="mod"),
     "xmod-recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "xmod-segments": dict(xmod_routing_segments=2),  # top-k per half of the sequence (--xmod-routing-segments)
 }
 
 
@@ -116,6 +117,8 @@ def test_training_step_has_no_host_sync(seeded, mode):
     assert syncs.count == 0, syncs.summary()
     assert all(p.grad is not None for layer in sparse_layers(model) for p in layer.router.parameters())
     assert pushed == ([2, 3] if mode.endswith("recompute") else [])  # the recompute really ran
+    assert all(layer.routing.routing_segments == MODES[mode].get("xmod_routing_segments", 1)
+               for layer in sparse_layers(model))
 
 
 def test_the_counter_sees_the_permutation_checks(seeded, monkeypatch):
