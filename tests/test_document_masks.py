@@ -319,19 +319,25 @@ def test_entry_point_trains_with_reset_attention_mask(tmp_path):
 def test_packed_sequences_train_as_document_masks(tmp_path):
     """--dataloader-inter-document-masking (megatron's packed sequences: the micro-batch's 2 samples in one THD
     row with cu_seqlens, document-relative RoPE) trains the routed model as --reset-attention-mask does (the same
-    documents, each sample ranked on its own by top-k), and unlike plain causal attention across documents."""
+    documents, each sample ranked on its own by top-k), and unlike plain causal attention across documents; TP 2
+    with sequence parallelism trains it as one rank does."""
     from entry_point_helpers import common_flags, torchrun, train_losses, validation_losses
 
     data = short_documents(str(tmp_path / "docs"))
     model = ["--xmod-routing-family", "xmod", "--xmod-layout", "D + (S4*2 + D)", "--num-layers", "4",
              "--eval-interval", "3"]
     runs = {}
-    for name, extra in (("packed", ["--dataloader-inter-document-masking"]), ("masked", ["--reset-attention-mask"]),
-                        ("causal", [])):
+    packed_flags = ["--dataloader-inter-document-masking"]
+    for name, nproc, extra in (("packed", 1, packed_flags), ("masked", 1, ["--reset-attention-mask"]), ("causal", 1, []),
+                               ("packed-tp2-sp", 2, [*packed_flags, "--tensor-model-parallel-size", "2",
+                                                     "--sequence-parallel"])):
         flags = [f for f in common_flags(data, 3, *model, *extra) if not extra or f != "--no-create-attention-mask-in-dataloader"]
-        result = torchrun(1, ["-m", "megatron_xmod.pretrain"], flags)
+        result = torchrun(nproc, ["-m", "megatron_xmod.pretrain"], flags)
         runs[name] = (train_losses(result.stdout), validation_losses(result.stdout))
     (packed, packed_valid), (masked, masked_valid), (causal, _) = runs["packed"], runs["masked"], runs["causal"]
+    # TP 2 with sequence parallelism: the packed row split over the ranks, the routed batch too
+    assert runs["packed-tp2-sp"][0] == pytest.approx(packed, rel=1e-5), (runs["packed-tp2-sp"], packed)
+    assert runs["packed-tp2-sp"][1][3] == pytest.approx(packed_valid[3], rel=1e-5)
     assert sorted(packed) == [1, 2, 3] and packed_valid.keys() == masked_valid.keys() == {3}
     # RoPE at document-relative positions (THD) vs packed positions (the mask): equal up to rounding (the
     # console's 6 digits agree); routed layers that ignored the documents, or ranked the 2 samples together,
