@@ -119,18 +119,20 @@ def paired(a: dict[int, float], b: dict[int, float]) -> Optional[dict]:
 
 
 def compare(runs: list[dict], models: list[str], key) -> dict:
-    """Per model: mean/sd of key(run) over seeds; per routed model the paired difference to Dense, and
-    X-MoD's to MoD (``xmod_minus_mod``) when both ran."""
+    """Per model: mean/sd of key(run) over seeds; per other model the paired difference to Dense (to the
+    first model of ``models`` when Dense did not run: ``reference``), and X-MoD's to MoD
+    (``xmod_minus_mod``) when both ran."""
     out = {}
     by = {m: {r["seed"]: key(r) for r in runs if r["model"] == m and key(r) is not None} for m in models}
+    reference = "dense" if "dense" in models else models[0]
     for m in models:
         values = list(by[m].values())
         if not values:
             continue
         mean, sd = mean_sd(values)
         row = {"mean": mean, "sd": sd, "n": len(values)}
-        if m != "dense":
-            row.update(paired(by[m], by.get("dense", {})) or {})
+        if m != reference:
+            row.update(paired(by[m], by.get(reference, {})) or {}, reference=reference)
         if m == "xmod" and by.get("mod"):
             row["xmod_minus_mod"] = paired(by["xmod"], by["mod"])
         out[m] = row
@@ -167,7 +169,9 @@ def _verdict(d: dict) -> str:
 def _fmt_row(name: str, row: dict) -> str:
     diff = "-"
     if "diff_mean" in row:
-        diff = f"minus Dense {row['diff_mean']:+.4f} +- {row['diff_sd']:.4f} (SE {row['diff_se']:.4f}; {_verdict(row)})"
+        reference = "Dense" if row.get("reference", "dense") == "dense" else row["reference"]
+        diff = (f"minus {reference} {row['diff_mean']:+.4f} +- {row['diff_sd']:.4f} (SE {row['diff_se']:.4f}; "
+                f"{_verdict(row)})")
     versus_mod = row.get("xmod_minus_mod")
     if versus_mod:
         diff += (f"; minus MoD {versus_mod['diff_mean']:+.4f} +- {versus_mod['diff_sd']:.4f} "

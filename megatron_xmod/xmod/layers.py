@@ -681,9 +681,9 @@ class XModSparseLayer(TransformerLayer):
         Each rank runs attention and MLP on the routed tokens it holds, a batch of static width; the core
         attention all-gathers their keys and values over the CP group (only that batch travels, not the
         sequence: C x min(L/K, L/C) rows against a dense layer's L, or L/K with segment-local routing,
-        bench/cp.py) and the mask built here
-        keeps every routed token causal among the routed tokens by real position (and, with ``document_mask``,
-        inside its document). The gated update lands on the rank's own rows: nothing else is sent back."""
+        bench/cp.py) and the mask built here keeps every routed token causal among the routed tokens by real
+        position (and, with ``document_mask``, inside its document). The gated update lands on the rank's
+        own rows: nothing else is sent back."""
         local, real, mask = self._context_parallel_batch(indices, valid, hidden_states.shape[0], document_mask)
         positions = load_balanced_positions(scores.shape[0], self._cp_size(), str(scores.device))
         own = positions[self.cp_group.rank()].gather(0, local.reshape(-1)).view_as(local)  # [w, b] positions
