@@ -179,7 +179,7 @@ def _validate_loss(loss: torch.Tensor, report: Optional[_NonfiniteReport] = None
                             message="found Inf in local forward loss calculation")
 
 
-def packed_batch(batch: dict, seq_length: int):
+def packed_batch(batch: dict):
     """(batch, packed_seq_params): a batch with the dataset's document boundaries (``cu_seqlens``,
     --dataloader-inter-document-masking) packed into one row of THD tokens with megatron's own
     flatten_batch_for_packed_sequences, and megatron's PackedSeqParams for it, as Megatron-LM's
@@ -189,6 +189,7 @@ def packed_batch(batch: dict, seq_length: int):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.utils import flatten_batch_for_packed_sequences
 
+    seq_length = batch["tokens"].shape[1]  # a sample's tokens, before the micro-batch becomes one row
     batch = flatten_batch_for_packed_sequences(dict(batch))
     cu_seqlens = batch["cu_seqlens"].squeeze(0)
     longest = int(batch["max_seqlen"].max())  # the host read Megatron-LM makes too (FlashAttention's varlen bound)
@@ -230,7 +231,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     if model.training:  # megatron sets curr_iteration before each train step, restored on resume
         set_iteration(model, get_args().curr_iteration)
     before = nonfinite_totals(model)
-    batch, packed = packed_batch(context_parallel_batch(next(data_iterator)), get_args().seq_length)
+    batch, packed = packed_batch(context_parallel_batch(next(data_iterator)))
     tokens, labels = batch["tokens"], batch["labels"]
     loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
     attention_mask = batch.get("attention_mask")
