@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron_xmod.xmod import kernels
 from megatron_xmod.xmod.kernels import routing_step
@@ -73,6 +74,70 @@ def test_triton_interp_without_carried_bias_tau_zero_and_other_increment():
     check_equal(SHAPES[0], carried=False)
     check_equal(SHAPES[0], carried=True, tau=0.0)
     check_equal(SHAPES[0], carried=True, tau=0.25, increment=3.0)
+
+
+def check_router_bias_and_gate_scale(step_fn, dtype=torch.float32, bce_coeff=0.0, **kw):
+    """The router's bias and varsigma handed to the step: the routed set, the gate varsigma * sigmoid(x w + c -
+    tau*b) and the gradients of x w, c and varsigma equal plain torch autograd over the paper's equations."""
+    s, K, b = 64, 8, 3
+    gen = torch.Generator().manual_seed(3)
+    xw = torch.randn(s, b, generator=gen).requires_grad_(True)
+    carried = (torch.rand(s, b, generator=gen) < 0.3).float() * 2
+    router_bias = torch.tensor([0.3], dtype=dtype, requires_grad=True)
+    scale = torch.tensor([1.7], dtype=dtype, requires_grad=True)
+    d_scores, d_gate = torch.randn(s, b, generator=gen), torch.randn(s // K, b, generator=gen)
+    step = step_fn(xw, K, "topk", carried, 0.5, 1.0, router_bias=router_bias, gate_scale=scale, bce_coeff=bce_coeff,
+                   **kw)
+    loss = (step.decision.scores * d_scores).sum() + (step.gate * d_gate).sum()
+    if bce_coeff:
+        loss = loss + step.router_loss.sum()
+    grads = torch.autograd.grad(loss, [xw, router_bias, scale])
+    # the reference: Eq.(8) scores, top-k by torch.topk, Eq.(7)'s gate, autograd
+    x2, c2, v2 = (t.detach().clone().requires_grad_(True) for t in (xw, router_bias, scale))
+    scores = x2 + c2.float() - 0.5 * carried
+    indices = scores.detach().topk(s // K, dim=0).indices.sort(dim=0).values
+    gate = v2.float() * torch.sigmoid(scores.gather(0, indices))
+    ref_loss = (scores * d_scores).sum() + (gate * d_gate).sum()
+    if bce_coeff:
+        q = torch.zeros_like(scores).scatter(0, indices, 1.0)
+        ref_loss = ref_loss + bce_coeff * F.binary_cross_entropy_with_logits(scores, q)
+    ref_grads = torch.autograd.grad(ref_loss, [x2, c2, v2])
+    assert torch.equal(step.decision.topk_indices, indices)
+    torch.testing.assert_close(step.gate, gate.detach(), atol=1e-6, rtol=1e-6)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else {}
+    for got, want, name in zip(grads, ref_grads, ("x w", "router bias", "varsigma")):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert want.abs().sum() > 0, name
+        torch.testing.assert_close(got, want, msg=name, **tol)
+
+
+@pytest.mark.parametrize("bce_coeff", [0.0, 0.5])
+def test_torch_step_takes_router_bias_and_gate_scale(bce_coeff):
+    check_router_bias_and_gate_scale(routing_step_torch, bce_coeff=bce_coeff)
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bce_coeff", [0.0, 0.5])
+def test_triton_interp_router_bias_and_gate_scale(dtype, bce_coeff):
+    before = kernels.launch_counts["triton"]
+    check_router_bias_and_gate_scale(routing_step, dtype, bce_coeff, backend="triton")
+    assert kernels.launch_counts["triton"] == before + 1
+
+
+@needs_interp
+def test_triton_interp_routed_layer_launch_budget(seeded):
+    """Issue 28's budget on the fused path (bench/ops.py's count of what a GPU launches): an X-MoD routed
+    layer issues at most 8 kernels more than a dense layer, forward and backward, and the fused kernels are
+    among them."""
+    from bench import ops
+
+    rows = {(r["layer"], r["phase"]): r for r in ops.measure(["fused"])}
+    for phase in ("forward", "backward"):
+        extra = rows[("xmod_sparse", phase)]["kernels"] - rows[("dense", phase)]["kernels"]
+        assert 0 < extra <= 8, (phase, extra, rows[("xmod_sparse", phase)]["by_name"])
+    assert "triton::routing_select" in rows[("xmod_sparse", "forward")]["by_name"]
+    assert "triton::routing_backward" in rows[("xmod_sparse", "backward")]["by_name"]
 
 
 @needs_interp

@@ -210,6 +210,55 @@ def test_triton_interp_is_selected_when_forced(caplog):
         assert permute.selected_backend(x) == "torch"  # auto never interprets on CPU
 
 
+def routed_update(backend, x, gate, idx, go_full, residual):
+    """x updated at ``idx`` by gate * tanh(its own gathered tokens): the routed layer's pattern, one gather
+    and one scatter of the same x. Returns (output, d x) for the output gradient ``go_full``."""
+    (x,) = leaf(x)
+    routed = permute.gather_tokens(x, idx, backend=backend, residual=residual)
+    out = permute.scatter_gated(x, torch.tanh(routed), gate, idx, backend=backend, residual=residual)
+    out.backward(go_full)
+    return out.detach(), x.grad
+
+
+@needs_interp
+@pytest.mark.parametrize("shape", [(9, 3, 7, 2), (8, 1, 16, 8), (5, 2, 3, 0)])
+def test_triton_interp_residual_gradient_goes_to_the_gather(shape):
+    """With a ResidualGrad the scatter hands its identity gradient to the gather, whose one backward launch
+    adds the scattered rows onto it: d x as plain torch autograd computes it, and no separate add."""
+    from torch.profiler import profile
+
+    x, _, gate, idx, go_full, _ = make_inputs(shape, torch.float32, seed=6)
+    want_out, want_dx = routed_update("torch", x, gate, idx, go_full, None)
+    with profile() as prof:
+        out, dx = routed_update("triton", x, gate, idx, go_full, permute.ResidualGrad())
+    assert torch.equal(out, want_out)
+    torch.testing.assert_close(dx, want_dx, rtol=1e-6, atol=1e-6)
+    names = [ev.name for ev in prof.events()]
+    assert "aten::add" not in names and "aten::add_" not in names, names  # the engine summed nothing
+    # without the hand-over the same gradient takes the engine's add of the two contributions
+    with profile() as prof:
+        _, unlinked = routed_update("triton", x, gate, idx, go_full, None)
+    torch.testing.assert_close(unlinked, want_dx, rtol=1e-6, atol=1e-6)
+    assert {"aten::add", "aten::add_"} & {ev.name for ev in prof.events()}
+
+
+@needs_interp
+def test_triton_interp_residual_is_handed_over_only_for_the_gathered_x():
+    x, y, gate, idx, go_full, _ = make_inputs((6, 2, 4, 3), torch.float32, seed=7)
+    residual = permute.ResidualGrad()
+    (xa,) = leaf(x)
+    routed = permute.gather_tokens(xa, idx, backend="triton", residual=residual)
+    with pytest.raises(ValueError, match="residual: a ResidualGrad serves one gather"):
+        permute.gather_tokens(xa, idx, backend="triton", residual=residual)
+    (other,) = leaf(x)  # another x: its scatter keeps its own identity gradient
+    out = permute.scatter_gated(other, torch.tanh(routed), gate, idx, backend="triton", residual=residual)
+    out.backward(go_full)
+    assert torch.equal(other.grad, go_full) and residual.grad is None
+    cols = torch.arange(idx.shape[1]).expand_as(idx)
+    assert xa.grad.abs().sum() > 0 and torch.equal(xa.grad[~torch.zeros(6, 2, dtype=torch.bool).index_put_(
+        (idx, cols), torch.tensor(True))], torch.zeros(6 * 2 - idx.numel(), 4))
+
+
 def test_triton_interpreter():
     pytest.importorskip("triton")
     if INTERP:
@@ -274,6 +323,19 @@ def test_gpu_backend_vs_reference(backend, shape, dtype):
     inputs = make_inputs(shape, dtype, seed=6, device="cuda")
     assert permute.selected_backend(inputs[0], backend) == backend
     check_against_truth(run_backend(backend, *inputs), *inputs)
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_residual_gradient_goes_to_the_gather(backend, dtype):
+    if backend == "cuda" and not _built_ext():
+        pytest.skip("extension not built")
+    x, _, gate, idx, go_full, _ = make_inputs((300, 3, 1030, 37), dtype, seed=8, device="cuda")
+    want_out, want_dx = routed_update("torch", x, gate, idx, go_full, None)
+    out, dx = routed_update(backend, x, gate, idx, go_full, permute.ResidualGrad())
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(dx, want_dx)
 
 
 @needs_gpu

@@ -29,7 +29,7 @@ from megatron.core.utils import make_viewless_tensor
 
 from megatron_xmod.xmod.config import check_cuda_graph_compatibility, check_routing_compatibility
 from megatron_xmod.xmod.kernels import routing_step
-from megatron_xmod.xmod.permute import gather_tokens, scatter_gated
+from megatron_xmod.xmod.permute import ResidualGrad, gather_tokens, scatter_gated
 from megatron_xmod.xmod.routing import (
     SparseLayerRouting,
     capacity_selection,
@@ -385,23 +385,27 @@ class XModSparseLayer(TransformerLayer):
         seq_len, batch = hidden_states.shape[:2]
         seq_len *= self._sequence_shards() * self._cp_size()  # under SP and CP routing ranks the whole sequence
         phase = recompute_phase(self.training)  # "first" / "replay" under full recompute, else None
-        logits, chain = self._router_logits(hidden_states)  # [s, b], whole sequence
+        # [s, b] x w over the whole sequence (the routing step adds the bias), and x as the routed update reads it
+        logits, chain, routed_input = self._router_logits(hidden_states)
         carried_bias, previous_selected = self._take_bias(state, (seq_len, batch), phase)
         rule = "topk" if self.training else state.eval_rule
         tau = routing.effective_tau(state.iteration)  # during a training run the warm-up's value, else the full tau
         # Eq.(8) adjustment, top-k in position order, bias update: one fused kernel on GPU (megatron_xmod.xmod.kernels).
         # It writes into the routing state's buffers itself (a recompute replay writes none of them): the
         # updated bias (in place) and, under top-k, the routed set and the call's statistics.
+        # The router's bias and varsigma enter the step, whose backward sums their gradients in its one launch.
         step = routing_step(logits, routing.sparsity_k, rule, carried_bias, tau, routing.token_choice_bias_increment,
-                            segments=routing.routing_segments * samples,
+                            segments=routing.routing_segments * samples, router_bias=self.router.bias,
+                            gate_scale=self._gate_scale(),
                             **self._step_destinations(state, rule, phase, (seq_len, batch), previous_selected,
                                                       logits.device))
         decision, bias, gate = step.decision, step.bias, step.gate
-        state.observe(self.layer_number, logits, decision)
+        if state.observers:  # the routing report reads the router's logits, bias included
+            state.observe(self.layer_number, logits + self.router.bias.float(), decision)
 
         indices = decision.topk_indices
         if indices is not None:
-            output, routed = self._routed_update(hidden_states, indices, decision.scores, rotary_pos_emb,
+            output, routed = self._routed_update(routed_input, indices, decision.scores, rotary_pos_emb,
                                                  gate=gate, document_mask=attention_mask)
         else:
             # The threshold rule (evaluation) selects a different number of tokens per sequence: batch them
@@ -411,7 +415,7 @@ class XModSparseLayer(TransformerLayer):
             indices, valid, width = capacity_selection(decision.selected, capacity)
             state.note_width(self.layer_number, width)
             output, routed = (hidden_states, None) if indices is None else self._routed_update(
-                hidden_states, indices, decision.scores, rotary_pos_emb, valid, document_mask=attention_mask)
+                routed_input, indices, decision.scores, rotary_pos_emb, valid, document_mask=attention_mask)
 
         if self.training and routing.router_bce_coeff > 0:
             loss, bce = step.router_loss, None  # the routing step's (coeff * BCE; recorded already), if it has it
@@ -423,7 +427,7 @@ class XModSparseLayer(TransformerLayer):
             output = RouterLossAutoScaler.apply(output, loss, self.config, seq_len * batch, state)
         if phase != "replay":  # a recomputed layer was recorded in its first pass
             if decision.topk_indices is None:  # the threshold rule; top-k's routing step recorded itself
-                self._record_metrics(state, logits, decision, bias, previous_selected)
+                self._record_metrics(state, decision.scores, decision, bias, previous_selected)
             # bias is the buffer; the routing step wrote the top-k routed set into its buffer too
             state.put_bias(self.layer_number, bias, None if decision.topk_indices is not None else decision.selected)
         # What megatron's TransformerLayer returns: a tensor that is no view (the autoscaler above hands
@@ -493,12 +497,14 @@ class XModSparseLayer(TransformerLayer):
         return self.tp_group.size() if self.config.sequence_parallel else 1
 
     def _router_logits(self, hidden_states):
-        """Router logits [s, b] in fp32 over the whole sequence, and the router-input chain of the
-        block (megatron_xmod.xmod.routing_state: the full-length input is saved once per block, not per layer)."""
+        """(router logits x w [s, b] in fp32 over the whole sequence, without the router's bias (the routing
+        step adds it); the router-input chain of the block (megatron_xmod.xmod.routing_state: the
+        full-length input is saved once per block, not per layer); x as the routed update reads it
+        (routing_state.router_logits))."""
         # Under CUDA graphs each layer is captured on its own, from a static input buffer: the chain (weak
         # references checked in Python) cannot cross graphs, so every layer saves its own router input.
         chain_handover = None if _cuda_graphs(self.config) else self.routing_state.router_inputs
-        logits, chain = router_logits(self.router, hidden_states, chain_handover, self.layer_number)
+        logits, chain, routed_input = router_logits(self.router, hidden_states, chain_handover, self.layer_number)
         logits = logits.squeeze(-1).float()
         if self.config.sequence_parallel:
             # L scalars per sequence: every TP rank gets them all and makes the same selection; the
@@ -508,7 +514,7 @@ class XModSparseLayer(TransformerLayer):
             # The same for the CP ranks: L scalars per sequence, reassembled in position order from megatron's
             # load-balanced chunks, so that every CP rank routes the whole sequence identically.
             logits = gather_context_parallel(logits, self.cp_group)
-        return logits, chain
+        return logits, chain, routed_input
 
     def _step_destinations(self, state: RoutingState, rule: str, phase, shape, previous_selected, device) -> dict:
         """What the routing step writes into the routing state (routing_step's keyword arguments): the
@@ -603,7 +609,8 @@ class XModSparseLayer(TransformerLayer):
                        document_mask=None, batch_mask=None):
         """(x with the routed tokens ``indices`` updated, the gathered routed input [k, b, h], or None under
         sequence or context parallelism, where the rows it gathers are not those ``indices`` name);
-        ``gate``: their sigmoid(score), when the routing step computed it already (top-k training);
+        ``gate``: their gate as the routing step returns it (sigmoid(score), times varsigma for X-MoD), when
+        it has one (top-k training);
         ``document_mask``: megatron's [b or 1, 1, s, s] attention mask of the whole sequence (True =
         masked), applied among the routed tokens; ``batch_mask``: the routed batch's own attention mask
         instead (context parallelism's)."""
@@ -616,16 +623,19 @@ class XModSparseLayer(TransformerLayer):
         # A threshold batch (valid given) is not sorted past its real tokens: plain-torch permutation, and
         # no check of the sorted order the other backends need.
         backend, check = (None, None) if valid is None else ("torch", False)
-        routed = gather_tokens(hidden_states, indices, backend=backend, check=check)
+        residual = ResidualGrad()  # the scatter's residual gradient goes to the gather's backward launch
+        routed = gather_tokens(hidden_states, indices, backend=backend, check=check, residual=residual)
         attention_mask = _routed_document_mask(document_mask, indices) if batch_mask is None else batch_mask
         attention, mlp = self._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices), attention_mask,
                                                  None if valid is None else ~valid)
+        scale = None  # varsigma, unless the gate carries it already
         if gate is None:
-            gate = torch.sigmoid(torch.gather(scores, 0, indices))
+            gate, scale = torch.sigmoid(torch.gather(scores, 0, indices)), self._gate_scale()
         r = gate.to(hidden_states.dtype)  # [k, b]
         keep = None if valid is None else valid.to(r.dtype)  # None: no padding, no multiply
-        delta, gate = gated_residual(self.routing.family, attention, mlp, r, self._gate_scale(), keep)
-        return scatter_gated(hidden_states, delta, gate, indices, backend=backend, check=check), routed
+        delta, gate = gated_residual(self.routing.family, attention, mlp, r, scale, keep)
+        return scatter_gated(hidden_states, delta, gate, indices, backend=backend, check=check,
+                             residual=residual), routed
 
     def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None,
                                          document_mask=None, batch_mask=None):
@@ -637,7 +647,7 @@ class XModSparseLayer(TransformerLayer):
         sequence-parallel pattern, and the gated updates are all-gathered so that every rank adds those
         of its own tokens. Static shapes, no host sync: every rank adds all k*b gathered updates, those
         of tokens it does not hold replaced by -0.0 and sent to row 0 of their sequence.
-        ``gate``: the routing step's sigmoid(score) of the routed tokens ([k, b]), when it has one.
+        ``gate``: the routing step's gate of the routed tokens ([k, b], varsigma included), when it has one.
         ``document_mask``: megatron's mask of the whole sequence ([b or 1, 1, s, s], the same on every
         rank), gathered at the padded routed positions; the end padding is masked out as a key.
         ``batch_mask``: the padded batch's own mask instead (context parallelism's, which pads to T itself)."""
@@ -665,7 +675,8 @@ class XModSparseLayer(TransformerLayer):
         r = (torch.sigmoid(torch.gather(scores, 0, indices[part])) if gate is None else
              torch.cat([gate, gate.new_zeros(pad, batch)])[part]).to(hidden_states.dtype)
         keep = real[part].to(r.dtype)
-        delta, gate = gated_residual(self.routing.family, attention, mlp, r, self._gate_scale(), keep)
+        delta, gate = gated_residual(self.routing.family, attention, mlp, r, self._gate_scale() if gate is None else None,
+                                     keep)
         update = gate.unsqueeze(-1).to(delta.dtype) * delta  # as scatter_gated applies it
         update = gather_from_sequence_parallel_region(update, tensor_parallel_output_grad=True, group=group)
         # Others' tokens and the end padding add -0.0: x + (-0.0) is x bit for bit (also for x = +-0.0).
@@ -688,6 +699,8 @@ class XModSparseLayer(TransformerLayer):
         positions = load_balanced_positions(scores.shape[0], self._cp_size(), str(scores.device))
         own = positions[self.cp_group.rank()].gather(0, local.reshape(-1)).view_as(local)  # [w, b] positions
         gate = torch.sigmoid(torch.gather(scores, 0, own))  # padding: any finite gate, zeroed by ``real``
+        if self._gate_scale() is not None:  # _routed_update takes a gate as the routing step gives it
+            gate = self._gate_scale().float() * gate
         return self._routed_update(hidden_states, local, scores, rotary_pos_emb, real, gate, batch_mask=mask)[0]
 
     def _context_parallel_batch(self, indices, valid, local_len: int, document_mask=None):

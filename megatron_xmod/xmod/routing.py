@@ -236,9 +236,10 @@ def gated_residual(family: str, attention: torch.Tensor, mlp: torch.Tensor, r: t
     ``attention``/``mlp`` are a and f of the routed tokens ``[..., h]``, ``r`` their router weights
     sigmoid(s - tau*b) (shape ``[...]``), ``keep`` 1 for a routed token and 0 for padding of a padded
     batch (None: no padding). The gate is kept apart from delta so that a fused gated scatter can apply it.
+    X-MoD with ``gate_scale`` None: ``r`` is varsigma * r already (the fused routing step's gate).
     """
     if family == "xmod":
-        gate = gate_scale * r
+        gate = r if gate_scale is None else gate_scale * r
         return attention + mlp, gate if keep is None else gate * keep
     return attention + r.unsqueeze(-1) * mlp, torch.ones_like(r) if keep is None else keep
 

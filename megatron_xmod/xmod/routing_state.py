@@ -743,24 +743,28 @@ class RouterLogits(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` of the d -> 1 router, saving the chain (base + rows) instead of x.
 
     Inputs: x [s, b, h], weight [1, h], bias [1] (or None), the chain's base (x.detach() itself when x
-    starts the chain), its :class:`ChainCursor`, then the chain's links, flattened.
+    starts the chain), its :class:`ChainCursor`, then the chain's links, flattened. Outputs: the logits
+    and x itself again (an alias), which the layer's routed update reads: the alias's gradient then
+    arrives here and the router's d x is added to it by the same matmul (``addmm``), where the autograd
+    engine would spend an ``mm`` and an ``add`` (issue 28's backward launch count).
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, base, cursor, *links):
         ctx.x_shape, ctx.has_bias, ctx.cursor = x.shape, bias is not None, cursor
         ctx.save_for_backward(weight, base, *links)
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias), x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, grad_alias):
         weight, base, *flat_links = ctx.saved_tensors
         width = len(ChainLink._fields)
         links = [ChainLink(*flat_links[i:i + width]) for i in range(0, len(flat_links), width)]
         grad = grad_output.reshape(-1, grad_output.shape[-1])  # [s*b, 1]
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad.mm(weight).view(ctx.x_shape)
+            grad_x = (grad.mm(weight) if grad_alias is None else
+                      torch.addmm(grad_alias.reshape(grad.shape[0], -1), grad, weight)).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # as addmm's backward computes it: (x^T g)^T
             x = ctx.cursor.input(base, links)
             grad_weight = x.reshape(-1, x.shape[-1]).t().mm(grad).t()
@@ -770,16 +774,19 @@ class RouterLogits(torch.autograd.Function):
 
 
 def router_logits(router: torch.nn.Linear, x: torch.Tensor, chain_handover: Optional[RouterInputChain], layer_number: int):
-    """Router logits [s, b, 1] and the chain (for :meth:`RouterInputChain.put`), or (logits, None)
-    when nothing needs saving (no autograd) and a plain ``nn.Linear`` call does."""
+    """(router logits x w [s, b, 1] without the router's bias (the routing step adds it:
+    megatron_xmod.xmod.kernels.routing_step), the chain for :meth:`RouterInputChain.put` or None when
+    nothing needs saving (no autograd: a plain linear does), and the tensor the layer's routed update
+    should read x from: :class:`RouterLogits`'s alias of x, or x itself)."""
     if chain_handover is None or not (torch.is_grad_enabled() and router.weight.requires_grad):
-        return router(x), None
+        return F.linear(x, router.weight), None, x
     chain = chain_handover.take(layer_number, x)
     if chain is None:  # x starts a chain: it is its own base (the same object that the handover refers to)
         chain = (x.detach(), [], ChainCursor())
     base, links, cursor = chain
     flat = [t for link in links for t in link]
-    return RouterLogits.apply(x, router.weight, router.bias, base, cursor, *flat), chain
+    logits, alias = RouterLogits.apply(x, router.weight, None, base, cursor, *flat)
+    return logits, chain, alias
 
 
 def flat_rows(indices: torch.Tensor, batch: int) -> torch.Tensor:

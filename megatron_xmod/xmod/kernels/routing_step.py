@@ -1,6 +1,11 @@
-"""The training routing step of one sparse layer, fused: bias adjustment (Eq.8), top-k with the
-routed tokens in position order, the bias update, and the gate r = sigmoid(score) of the routed
-tokens, from the router logits the layer computed.
+"""The training routing step of one sparse layer, fused: the router's bias, the token-choice bias
+adjustment (Eq.8), top-k with the routed tokens in position order, the bias update, and the gate
+r = sigmoid(score) of the routed tokens (times the X-MoD gate scale varsigma of Eq.7 when given), from
+the router logits x w the layer computed.
+
+The router's bias and varsigma enter here rather than in the layer's ``nn.Linear`` and gated update
+because their gradients are then sums the backward kernel takes on the way (one launch), where the
+layer's ops cost two multiplies and two sums in backward (bench/ops.py; issue 28).
 
 ``routing_step`` returns the same tensors whichever backend runs it:
 
@@ -63,7 +68,7 @@ _logged: set = set()
 class RoutingStep(NamedTuple):
     decision: RoutingDecision  # selected [s, b] bool, scores [s, b] fp32 (differentiable), topk_indices [k, b]
     bias: torch.Tensor  # [s, b] fp32 token-choice bias after this layer (b + increment * selected)
-    gate: Optional[torch.Tensor]  # [k, b] fp32 sigmoid(score) of the top-k tokens (differentiable); None for threshold
+    gate: Optional[torch.Tensor]  # [k, b] fp32 sigmoid(score) (times gate_scale) of the top-k tokens; None for threshold
     flat_rows: Optional[torch.Tensor] = None  # [k*b] int64 topk_indices * b + column (routing_state.flat_rows)
     router_loss: Optional[torch.Tensor] = None  # coeff * router BCE (Eq.9), summed over its elements; differentiable
 
@@ -83,16 +88,21 @@ def _check_destinations(rule, selected_out, previous_selected, statistics, bce_c
 def routing_step_torch(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias: Optional[torch.Tensor],
                        tau: float, increment: float, bias_out: Optional[torch.Tensor] = None, *,
                        selected_out: Optional[torch.Tensor] = None, previous_selected: Optional[torch.Tensor] = None,
-                       statistics=None, bce_coeff: float = 0.0, segments: int = 1) -> RoutingStep:
+                       statistics=None, bce_coeff: float = 0.0, segments: int = 1,
+                       router_bias: Optional[torch.Tensor] = None, gate_scale: Optional[torch.Tensor] = None) -> RoutingStep:
     """The reference: the rules of :mod:`megatron_xmod.xmod.routing`, op by op; writes what
     :func:`routing_step` writes, in the same order (the statistics read the previous routed set before
     ``selected_out``, which may be the same buffer, receives this layer's)."""
     _check_destinations(rule, selected_out, previous_selected, statistics, bce_coeff)
+    if router_bias is not None:
+        logits = logits + router_bias.float()
     decision = route(logits, sparsity_k, rule, carried_bias, tau, segments)
     bias = update_token_choice_bias(carried_bias, decision.selected, increment, out=bias_out)
     gate = rows = loss = None
     if decision.topk_indices is not None:
         gate = torch.sigmoid(torch.gather(decision.scores, 0, decision.topk_indices))
+        if gate_scale is not None:
+            gate = gate_scale * gate  # in the parameter's dtype when wider than fp32 (an fp64 test model)
         rows = flat_rows(decision.topk_indices, logits.shape[1])
     bce = router_bce_loss(decision.scores, decision.selected) if bce_coeff else None
     if bce is not None:
@@ -114,9 +124,13 @@ def routing_step(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias:
                  tau: float = 0.0, increment: float = 1.0, *, backend: Optional[str] = None,
                  bias_out: Optional[torch.Tensor] = None, selected_out: Optional[torch.Tensor] = None,
                  previous_selected: Optional[torch.Tensor] = None, statistics=None,
-                 bce_coeff: float = 0.0, segments: int = 1) -> RoutingStep:
+                 bce_coeff: float = 0.0, segments: int = 1, router_bias: Optional[torch.Tensor] = None,
+                 gate_scale: Optional[torch.Tensor] = None) -> RoutingStep:
     """Route one sparse layer from its router logits [s, b] (fp32); see the module docstring.
     ``segments``: top-k within each of that many equal segments of a sequence (routing.select_topk).
+    ``router_bias``: the router's bias ([1], differentiable), added to the logits first (None: the
+    logits have it); ``gate_scale`` (top-k): varsigma ([1], differentiable), which the returned gate
+    then carries (X-MoD's gate varsigma * r; None: the gate is r).
 
     Destinations, written in place (the routing state's buffers: megatron_xmod.xmod.routing_state):
 
@@ -135,7 +149,8 @@ def routing_step(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias:
     if name == "torch":
         return routing_step_torch(logits, sparsity_k, rule, carried_bias, tau, increment, bias_out,
                                   selected_out=selected_out, previous_selected=previous_selected,
-                                  statistics=statistics, bce_coeff=bce_coeff, segments=segments)
+                                  statistics=statistics, bce_coeff=bce_coeff, segments=segments,
+                                  router_bias=router_bias, gate_scale=gate_scale)
     k = topk_count(logits.shape[0], sparsity_k)
     carried = None if carried_bias is None else carried_bias.detach().float().contiguous()
     logits32 = logits if logits.dtype == torch.float32 else logits.float()
@@ -144,8 +159,15 @@ def routing_step(logits: torch.Tensor, sparsity_k: int, rule: str, carried_bias:
     dest = ops.Destinations(bias, _int8(selected_out, "selected_out"), _int8(previous_selected, "previous_selected"),
                             statistics)
     indices, selected, scores, gate, _, rows, loss = _FusedRoutingStep.apply(
-        logits32.contiguous(), carried, float(tau), k, float(increment), float(bce_coeff), dest, ops)
+        logits32.contiguous(), _scalar(router_bias, "router_bias"), _scalar(gate_scale, "gate_scale"), carried,
+        float(tau), k, float(increment), float(bce_coeff), dest, ops)
     return RoutingStep(RoutingDecision(selected, scores, indices), bias, gate, rows, loss)
+
+
+def _scalar(t: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
+    if t is not None and t.numel() != 1:
+        raise ValueError(f"{name}: the fused routing step takes a one-element tensor, got shape {tuple(t.shape)}")
+    return t
 
 
 def _int8(mask: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
@@ -159,11 +181,12 @@ def _int8(mask: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
 
 class _FusedRoutingStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, carried, tau, k, increment, bce_coeff, dest, ops):
+    def forward(ctx, logits, router_bias, gate_scale, carried, tau, k, increment, bce_coeff, dest, ops):
         indices, selected, scores, gate, slot, rows, loss = ops.forward(logits, carried, tau, k, increment,
-                                                                       bce_coeff, dest)
+                                                                       bce_coeff, dest, router_bias, gate_scale)
         ctx.ops, ctx.bce_coeff = ops, bce_coeff
-        ctx.save_for_backward(gate, slot, scores if loss is not None else None)
+        needs_scores = loss is not None or gate_scale is not None  # the BCE's and varsigma's backward read them
+        ctx.save_for_backward(gate, slot, scores if needs_scores else None, router_bias, gate_scale)
         ctx.mark_non_differentiable(indices, selected, slot, rows)
         ctx.set_materialize_grads(False)  # no zero tensors for the outputs nobody differentiates
         return indices, selected, scores, gate, slot, rows, loss
@@ -172,13 +195,17 @@ class _FusedRoutingStep(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, _gi, _gs, dscores, dgate, _gslot, _grows, dloss):
         nothing = (None,) * 7
-        if dgate is None and dloss is None:  # d score / d logit is the identity: nothing to launch
-            return (dscores,) + nothing
-        gate, slot, scores = ctx.saved_tensors
-        dlogits = ctx.ops.backward(None if dscores is None else dscores.float().contiguous(),
-                                   None if dgate is None else dgate.float().contiguous(), gate, slot,
-                                   scores, None if dloss is None else dloss.float(), ctx.bce_coeff)
-        return (dlogits,) + nothing
+        gate, slot, scores, router_bias, gate_scale = ctx.saved_tensors
+        want_bias = router_bias is not None and ctx.needs_input_grad[1]
+        want_scale = gate_scale is not None and ctx.needs_input_grad[2] and dgate is not None
+        if dgate is None and dloss is None and not want_bias:  # d score / d logit is the identity
+            return (dscores, None, None) + nothing
+        dlogits, dbias, dscale = ctx.ops.backward(
+            None if dscores is None else dscores.float().contiguous(),
+            None if dgate is None else dgate.float().contiguous(), gate, slot, scores,
+            None if dloss is None else dloss.float(), ctx.bce_coeff, gate_scale,
+            router_bias if want_bias else None, gate_scale if want_scale else None)
+        return (dlogits, dbias, dscale) + nothing
 
 
 _triton = LazyTriton("megatron_xmod.xmod.kernels.triton_routing")

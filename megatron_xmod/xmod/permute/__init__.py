@@ -7,10 +7,11 @@ definitions that every backend is tested against are in :mod:`megatron_xmod.xmod
 from megatron_xmod.xmod.permute.dispatch import (
     BACKENDS,
     ENV_BACKEND,
+    ResidualGrad,
     gather_tokens,
     scatter_gated,
     selected_backend,
     set_backend,
 )
 
-__all__ = ["gather_tokens", "scatter_gated", "set_backend", "selected_backend", "BACKENDS", "ENV_BACKEND"]
+__all__ = ["gather_tokens", "scatter_gated", "ResidualGrad", "set_backend", "selected_backend", "BACKENDS", "ENV_BACKEND"]

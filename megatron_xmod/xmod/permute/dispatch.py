@@ -13,6 +13,7 @@ Triton on CPU tensors only works under ``TRITON_INTERPRET=1`` (the interpreter, 
 import importlib
 import logging
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -173,10 +174,25 @@ def _check_common(fn: str, x: torch.Tensor, indices: torch.Tensor, check: Option
 
 # ---------------------------------------------------------------- autograd over a kernel backend
 
+class ResidualGrad:
+    """Hands the gradient of the gated scatter's residual input (d out / d x = 1: out's gradient itself) to
+    the gather of the same x, whose backward adds its scattered rows onto it in the one launch it makes.
+    Without it the gather scatters into zeros and the autograd engine adds the two (issue 28's backward
+    launch count). One per routed update, made by the caller and passed to both ops; the kernel backends
+    use it, the torch reference ignores it. Safe because the scatter's update depends on the gathered
+    tokens: autograd runs the scatter's backward before the gather's."""
+
+    __slots__ = ("source", "grad")
+
+    def __init__(self):
+        self.source: Optional[weakref.ref] = None  # the x the gather read (the scatter must update that x)
+        self.grad: Optional[torch.Tensor] = None
+
+
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, indices, ops):
-        ctx.ops, ctx.s = ops, x.shape[0]
+    def forward(ctx, x, indices, ops, residual):
+        ctx.ops, ctx.s, ctx.residual = ops, x.shape[0], residual
         ctx.save_for_backward(indices)
         return ops.gather(x.contiguous(), indices.contiguous())
 
@@ -185,17 +201,20 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad):
         (indices,) = ctx.saved_tensors
         gx = None
+        base = None
+        if ctx.residual is not None:
+            base, ctx.residual.grad = ctx.residual.grad, None
         if ctx.needs_input_grad[0]:
-            # Scattering into fresh zeros is the same kernel as the gated scatter without x/gate.
-            gx = ctx.ops.scatter_add_gated(None, grad.contiguous(), None, indices.contiguous(),
-                                           ctx.s)
-        return gx, None, None
+            # The scattered rows onto the residual gradient, or into fresh zeros (the same kernel without x).
+            gx = ctx.ops.scatter_add_gated(None if base is None else base.contiguous(), grad.contiguous(), None,
+                                           indices.contiguous(), ctx.s)
+        return gx, None, None, None
 
 
 class _ScatterGated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, gate, indices, ops):
-        ctx.ops = ops
+    def forward(ctx, x, y, gate, indices, ops, residual):
+        ctx.ops, ctx.residual = ops, residual
         y, gate, indices = y.contiguous(), gate.contiguous(), indices.contiguous()
         ctx.save_for_backward(y, gate, indices)
         return ops.scatter_add_gated(x.contiguous(), y, gate, indices, x.shape[0])
@@ -207,34 +226,45 @@ class _ScatterGated(torch.autograd.Function):
         need_x, need_y, need_gate = ctx.needs_input_grad[:3]
         # d(out)/dx is the identity: every token of x reaches out with weight 1.
         gx = grad if need_x else None
+        if gx is not None and ctx.residual is not None:  # the gather of x adds it (ResidualGrad)
+            ctx.residual.grad, gx = gx, None
         gy = gg = None
         if need_y or need_gate:
             gy, gg = ctx.ops.scatter_backward(grad.contiguous(), y, gate, indices, need_y, need_gate)
-        return gx, gy, gg, None, None
+        return gx, gy, gg, None, None, None
 
 
 # ---------------------------------------------------------------- public ops
 
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor, *, backend: Optional[str] = None,
-                  check: Optional[bool] = None) -> torch.Tensor:
+                  check: Optional[bool] = None, residual: Optional[ResidualGrad] = None) -> torch.Tensor:
     """``[s, b, h]`` + sorted unique ``[k, b]`` int64 indices -> ``[k, b, h]`` routed tokens.
 
     ``backend``: ``auto|cuda|triton|torch`` (see module docstring). ``check``: validate index
     values (range, strictly increasing); default on for CPU tensors, off on GPU (it syncs).
+    ``residual``: a fresh :class:`ResidualGrad`, passed again to the :func:`scatter_gated` that updates
+    ``x`` with what these tokens become.
     """
     _check_common("gather_tokens", x, indices, check)
     name = _select("gather_tokens", backend, x.device, x.dtype)
     if name == "torch":
         return reference.gather_tokens(x, indices)
-    return _Gather.apply(x, indices, _ops(name))
+    if residual is not None:
+        if residual.source is not None:
+            raise ValueError("residual: a ResidualGrad serves one gather and its scatter; make a new one per update")
+        residual.source = weakref.ref(x)
+    return _Gather.apply(x, indices, _ops(name), residual)
 
 
 def scatter_gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, indices: torch.Tensor, *,
-                  backend: Optional[str] = None, check: Optional[bool] = None) -> torch.Tensor:
+                  backend: Optional[str] = None, check: Optional[bool] = None,
+                  residual: Optional[ResidualGrad] = None) -> torch.Tensor:
     """``x`` with ``x + gate * y`` at ``indices``; all other tokens pass through bit-identically.
 
     ``y``: ``[k, b, h]`` in x's dtype, ``gate``: ``[k, b]`` (any float dtype; it is cast to y's
-    dtype, as the reference does, and its gradient flows back through the cast).
+    dtype, as the reference does, and its gradient flows back through the cast). ``residual``: the
+    :class:`ResidualGrad` of the :func:`gather_tokens` of this ``x`` whose tokens ``y`` is computed from
+    (ignored unless both ran on a kernel backend).
     """
     fn = "scatter_gated"
     _check_common(fn, x, indices, check)
@@ -255,4 +285,6 @@ def scatter_gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, indices:
     name = _select(fn, backend, x.device, x.dtype)
     if name == "torch":
         return reference.scatter_gated(x, y, gate, indices)
-    return _ScatterGated.apply(x, y, gate.to(y.dtype), indices, _ops(name))
+    # Handed over only when the gather read this very x and y can carry the gradient back to it.
+    linked = residual is not None and residual.source is not None and residual.source() is x and y.requires_grad
+    return _ScatterGated.apply(x, y, gate.to(y.dtype), indices, _ops(name), residual if linked else None)
