@@ -775,18 +775,19 @@ class RouterLogits(torch.autograd.Function):
 
 def router_logits(router: torch.nn.Linear, x: torch.Tensor, chain_handover: Optional[RouterInputChain], layer_number: int):
     """(router logits x w [s, b, 1] without the router's bias (the routing step adds it:
-    megatron_xmod.xmod.kernels.routing_step), the chain for :meth:`RouterInputChain.put` or None when
-    nothing needs saving (no autograd: a plain linear does), and the tensor the layer's routed update
-    should read x from: :class:`RouterLogits`'s alias of x, or x itself)."""
-    if chain_handover is None or not (torch.is_grad_enabled() and router.weight.requires_grad):
+    megatron_xmod.xmod.kernels.routing_step), the chain for :meth:`RouterInputChain.put` or None (no
+    ``chain_handover``, e.g. under CUDA graphs, or nothing to save: no autograd, where a plain linear
+    does), and the tensor the layer's routed update should read x from: :class:`RouterLogits`'s alias of
+    x, or x itself)."""
+    if not (torch.is_grad_enabled() and router.weight.requires_grad):
         return F.linear(x, router.weight), None, x
-    chain = chain_handover.take(layer_number, x)
-    if chain is None:  # x starts a chain: it is its own base (the same object that the handover refers to)
+    chain = None if chain_handover is None else chain_handover.take(layer_number, x)
+    if chain is None:  # x starts a chain (or saves itself): it is its own base
         chain = (x.detach(), [], ChainCursor())
     base, links, cursor = chain
     flat = [t for link in links for t in link]
     logits, alias = RouterLogits.apply(x, router.weight, None, base, cursor, *flat)
-    return logits, chain, alias
+    return logits, None if chain_handover is None else chain, alias
 
 
 def flat_rows(indices: torch.Tensor, batch: int) -> torch.Tensor:
