@@ -111,3 +111,25 @@ def test_bad_arguments_fail_before_any_work(argv, match, capsys):
         throughput.main(argv + ["--out", "/nonexistent/never-written"])
     assert excinfo.value.code == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_compiled_region_bench_is_one_graph_per_layer_kind(tmp_path):
+    """bench/compiled_region.py (its own process: it turns Dynamo on and silences a megatron warning):
+    the routed layers share one compiled graph and the dense layer has one, with no graph break, and
+    the compiled layers compute what the eager ones do."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "compiled_region.py"), "--seq-len", "64",
+                           "--steps", "1", "--out", str(tmp_path), "--tag", "t"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "compiled_region_t.json").read_text())["result"]
+    assert result["dynamo_stats"]["unique_graphs"] == 2 and not result["graph_breaks"], result
+    for kind in ("routed", "dense"):
+        assert result["checks"][kind]["output_max_abs_diff"] < 1e-5
+        assert result["checks"][kind]["input_grad_max_abs_diff"] < 1e-5
+    assert result["routed_layer_ms"]["eager"] > 0 and result["routed_speedup"] > 0
+    assert "| routed (K = 8, per layer) |" in (tmp_path / "compiled_region_t.md").read_text()
