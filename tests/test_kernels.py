@@ -76,16 +76,16 @@ def test_triton_interp_without_carried_bias_tau_zero_and_other_increment():
     check_equal(SHAPES[0], carried=True, tau=0.25, increment=3.0)
 
 
-def check_router_bias_and_gate_scale(step_fn, dtype=torch.float32, bce_coeff=0.0, **kw):
+def check_router_bias_and_gate_scale(step_fn, dtype=torch.float32, bce_coeff=0.0, device="cpu", s=64, **kw):
     """The router's bias and varsigma handed to the step: the routed set, the gate varsigma * sigmoid(x w + c -
     tau*b) and the gradients of x w, c and varsigma equal plain torch autograd over the paper's equations."""
-    s, K, b = 64, 8, 3
+    K, b = 8, 3
     gen = torch.Generator().manual_seed(3)
-    xw = torch.randn(s, b, generator=gen).requires_grad_(True)
-    carried = (torch.rand(s, b, generator=gen) < 0.3).float() * 2
-    router_bias = torch.tensor([0.3], dtype=dtype, requires_grad=True)
-    scale = torch.tensor([1.7], dtype=dtype, requires_grad=True)
-    d_scores, d_gate = torch.randn(s, b, generator=gen), torch.randn(s // K, b, generator=gen)
+    xw = torch.randn(s, b, generator=gen).to(device).requires_grad_(True)
+    carried = ((torch.rand(s, b, generator=gen) < 0.3).float() * 2).to(device)
+    router_bias = torch.tensor([0.3], dtype=dtype, device=device, requires_grad=True)
+    scale = torch.tensor([1.7], dtype=dtype, device=device, requires_grad=True)
+    d_scores, d_gate = (torch.randn(n, b, generator=gen).to(device) for n in (s, s // K))
     step = step_fn(xw, K, "topk", carried, 0.5, 1.0, router_bias=router_bias, gate_scale=scale, bce_coeff=bce_coeff,
                    **kw)
     loss = (step.decision.scores * d_scores).sum() + (step.gate * d_gate).sum()
@@ -123,6 +123,13 @@ def test_triton_interp_router_bias_and_gate_scale(dtype, bce_coeff):
     before = kernels.launch_counts["triton"]
     check_router_bias_and_gate_scale(routing_step, dtype, bce_coeff, backend="triton")
     assert kernels.launch_counts["triton"] == before + 1
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("s", [64, 32768])  # one program of the backward walks all s*b tokens for the sums
+def test_gpu_router_bias_and_gate_scale(dtype, s):
+    check_router_bias_and_gate_scale(routing_step, dtype, 0.5, device="cuda", s=s, backend="triton")
 
 
 @needs_interp
