@@ -125,14 +125,16 @@ def run_meta(device, extra: dict) -> dict:
 
 # ------------------------------------------------------------------------------------ models
 
-def model_config(backbone: Backbone, name: str, device: torch.device, bf16: bool):
+def model_config(backbone: Backbone, name: str, device: torch.device, bf16: bool, compile_layers: bool = False):
     from megatron_xmod.model import config_from_backbone
 
     dtype = {"params_dtype": torch.bfloat16, "bf16": True} if bf16 else {}
-    return config_from_backbone(backbone, name, use_cpu_initialization=device.type == "cpu", **dtype)
+    return config_from_backbone(backbone, name, use_cpu_initialization=device.type == "cpu",
+                                xmod_compile_layers=compile_layers, **dtype)
 
 
-def build_training(backbone: Backbone, name: str, seq_len: int, device: torch.device, bf16: bool):
+def build_training(backbone: Backbone, name: str, seq_len: int, device: torch.device, bf16: bool,
+                   compile_layers: bool = False):
     """(wrapped model, optimizer, config): what megatron.training's setup_model_and_optimizer makes."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -141,7 +143,7 @@ def build_training(backbone: Backbone, name: str, seq_len: int, device: torch.de
 
     from megatron_xmod.model import build_gpt_model
 
-    config = model_config(backbone, name, device, bf16)
+    config = model_config(backbone, name, device, bf16, compile_layers)
     model = build_gpt_model(config, backbone.vocab_size, seq_len, rotary_base=backbone.rotary_base)
     if device.type == "cuda":
         model = model.cuda()
@@ -195,18 +197,19 @@ class ModelRun:
     steps can be interleaved): ``forward_backward_func`` over ``num_microbatches`` micro-batches,
     then ``optimizer.step()``, each timed on its own."""
 
-    def __init__(self, backbone, name, seq_len, micro_batch, num_microbatches, device, bf16):
+    def __init__(self, backbone, name, seq_len, micro_batch, num_microbatches, device, bf16, compile_layers=False):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.name, self.device, self.num_microbatches = name, device, num_microbatches
         self.tokens = seq_len * micro_batch  # per micro-batch
-        self.model, self.optimizer, self.config = build_training(backbone, name, seq_len, device, bf16)
+        self.model, self.optimizer, self.config = build_training(backbone, name, seq_len, device, bf16, compile_layers)
         self.forward_backward = get_forward_backward_func()
         self.common = dict(forward_step_func=self._forward_step, data_iterator=batches(backbone, seq_len, micro_batch, device),
                            model=[self.model], seq_length=seq_len, micro_batch_size=micro_batch)
         self.forward_calls = 0  # micro-batches run (training and evaluation)
         self.train_microbatches = self.eval_microbatches = 0
         self.fwd_bwd_s, self.optimizer_s, self.train_losses, self.eval_s = [], [], [], []
+        self.warmup_fwd_bwd_s, self.eval_warmup_s = [], []  # untimed steps (with --compile-layers: compilation)
         self.grad_norm, self.routing, self.peak_gib = None, {}, None
         self.launched: dict = {}
 
@@ -243,6 +246,8 @@ class ModelRun:
         self._count_launches(before)
         if self.device.type == "cuda":  # with interleaving this includes the other models' resident state
             self.peak_gib = max(self.peak_gib or 0.0, torch.cuda.max_memory_allocated() / 2**30)
+        if not timed:
+            self.warmup_fwd_bwd_s.append(t1 - t0)
         if timed:
             self.fwd_bwd_s.append(t1 - t0)
             self.optimizer_s.append(t2 - t1)
@@ -271,8 +276,7 @@ class ModelRun:
         self.model.train()
         self.eval_microbatches += self.forward_calls - calls
         self._count_launches(before)
-        if timed:
-            self.eval_s.append(elapsed)
+        (self.eval_s if timed else self.eval_warmup_s).append(elapsed)
 
     def result(self) -> dict:
         steps = [a + b for a, b in zip(self.fwd_bwd_s, self.optimizer_s)]
@@ -281,6 +285,7 @@ class ModelRun:
         tok = lambda n, t: n / t if t else None  # noqa: E731
         return dict(train_step_s=steps, train_fwd_bwd_s=list(self.fwd_bwd_s), train_optimizer_s=list(self.optimizer_s),
                     eval_step_s=list(self.eval_s), train_loss=list(self.train_losses),
+                    warmup_fwd_bwd_s=list(self.warmup_fwd_bwd_s), eval_warmup_s=list(self.eval_warmup_s),
                     num_microbatches=self.num_microbatches, train_microbatches_run=self.train_microbatches,
                     eval_microbatches_run=self.eval_microbatches,
                     fwd_bwd_s=med(self.fwd_bwd_s), optimizer_s=med(self.optimizer_s),
@@ -295,7 +300,7 @@ class ModelRun:
 
 
 def time_models(backbone, models, seq_len, micro_batch, num_microbatches, device, bf16, warmup, steps, eval_steps,
-                interleave=True, on_progress=None) -> dict:
+                interleave=True, on_progress=None, compile_layers=False) -> dict:
     """{model: result}. ``interleave``: all models are built first and stepped round-robin (step 1 of
     every model, then step 2, ...), so that a drift of the machine's load hits every model alike;
     otherwise model after model (one model in memory at a time). ``on_progress(results)`` after
@@ -306,7 +311,7 @@ def time_models(backbone, models, seq_len, micro_batch, num_microbatches, device
         runs = {}
         for m in group:
             print(f"[{dt.datetime.now().strftime('%H:%M:%S')}] build {m} on {backbone.name}, L={seq_len}", flush=True)
-            runs[m] = ModelRun(backbone, m, seq_len, micro_batch, num_microbatches, device, bf16)
+            runs[m] = ModelRun(backbone, m, seq_len, micro_batch, num_microbatches, device, bf16, compile_layers)
         for i in range(warmup + steps):
             for run in runs.values():
                 run.train_step(timed=i >= warmup)
@@ -403,6 +408,9 @@ def render_markdown(meta: dict, rows: list[dict]) -> str:
            f"micro-batches each (forward_backward_func over the micro-batches, then one DistributedOptimizer Adam "
            f"step; median), {meta['eval_steps']} evaluation steps of one micro-batch (forward only, top-k rule)",
            f"- schedule: {meta['schedule']}",
+           "- layers: " + ("each one torch.compile region (--xmod-compile-layers); warm-up forward + backward "
+                           "(compilation included) " + ", ".join(f"{r['model']} {sum(r['warmup_fwd_bwd_s']):.0f} s"
+                                                                 for r in rows) if meta.get("compile_layers") else "eager"),
            f"- routing step backend: {meta['routing_backend']}; permutation backend: {meta['permute_backend']}",
            f"- load average before/after (1/5/15 min): {meta['loadavg_start']} / {meta['loadavg']}", "",
            "| model | layers | params | fwd+bwd s/step | optimizer s/step | train tok/s | vs Dense | FLOP-ideal | of ideal "
@@ -450,6 +458,9 @@ def main(argv=None) -> int:
                         "fallback when all models do not fit at once)")
     p.add_argument("--activated-depth", type=int, default=None,
                    help="activated depth every model is matched to (default: the backbone's, 28 for Table 4)")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="every model with --xmod-compile-layers (each layer one torch.compile region); the warm-up "
+                        "step, which compiles, is reported apart")
     p.add_argument("--tiny", action="store_true", help=f"{TINY_BACKBONE.name}, L=64, 1+1 steps: seconds (CI; pass --num-microbatches for fewer than 4)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--tag", default=None, help="results name throughput_<tag>.* (default <machine>_<date>)")
@@ -496,7 +507,7 @@ def main(argv=None) -> int:
     tag = a.tag or f"{'gpu' if on_gpu else 'cpu'}_{dt.datetime.now(dt.UTC).strftime('%Y%m%d')}"
     settings = dict(seq_len=seq_len, micro_batch=a.micro_batch, num_microbatches=num_microbatches, eval_microbatches=1,
                     dtype="bf16" if bf16 else "fp32", warmup=warmup, steps=steps, eval_steps=eval_steps,
-                    loadavg_start=loadavg_start)
+                    loadavg_start=loadavg_start, compile_layers=a.compile_layers)
     rows = None
     with single_rank_megatron():
         for backbone in candidates:
@@ -516,7 +527,8 @@ def main(argv=None) -> int:
 
                 try:
                     time_models(backbone, a.models, seq_len, a.micro_batch, num_microbatches, device, bf16, warmup,
-                                steps, eval_steps, interleave=interleave, on_progress=progress)
+                                steps, eval_steps, interleave=interleave, on_progress=progress,
+                                compile_layers=a.compile_layers)
                     break
                 except torch.cuda.OutOfMemoryError as e:
                     why = str(e).splitlines()[0]

@@ -9,6 +9,7 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_xmod.presets import Backbone, parse_model
 from megatron_xmod.xmod.block import get_xmod_decoder_block_spec
+from megatron_xmod.xmod.compile import compile_layers
 from megatron_xmod.xmod.config import XModConfig
 from megatron_xmod.xmod.layers import XModSparseLayer
 from megatron_xmod.xmod.routing_state import attach_routing_state, install_capacity_check
@@ -81,6 +82,8 @@ def build_gpt_model(
     attach_routing_state(model, eval_rule=getattr(config, "xmod_eval_routing", "threshold"),
                          eval_capacity_factor=getattr(config, "xmod_eval_capacity_factor", 0.0))
     install_capacity_check(model)
+    if getattr(config, "xmod_compile_layers", False):
+        compile_layers(model)
     return model
 
 

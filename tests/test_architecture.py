@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                                          "megatron_xmod.xmod.permute")),
     ("config", ("megatron_xmod.xmod.config", "megatron_xmod.moe.config")),
     ("layers", ("megatron_xmod.xmod.layers", "megatron_xmod.moe.router", "megatron_xmod.moe.losses")),
-    ("block", ("megatron_xmod.xmod.block", "megatron_xmod.block")),
+    ("block", ("megatron_xmod.xmod.block", "megatron_xmod.block", "megatron_xmod.xmod.compile")),
     ("model", ("megatron_xmod.model", "megatron_xmod.moe.model", "megatron_xmod.spec")),
     ("pipeline", ("megatron_xmod.pipeline",)),
     ("data", ("megatron_xmod.data",)),

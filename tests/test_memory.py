@@ -1,5 +1,5 @@
 """Routed layers save their full-length router input once per block (megatron_xmod.xmod.routing_state), with the
-gradients of today's ``nn.Linear`` router bit for bit; the memory estimate's per-layer activation
+gradients of today's ``nn.Linear`` router (up to float rounding); the memory estimate's per-layer activation
 formulas against the bytes autograd actually saves."""
 import dataclasses
 
@@ -38,7 +38,7 @@ def _sharpen(model):
 
 
 @pytest.mark.parametrize("family,layout", [("xmod", LAYOUT), ("mod", LAYOUT), ("xmod", "S4*8 + D")])
-def test_chained_router_gradients_equal_plain_linear_bit_for_bit(seeded, monkeypatch, family, layout):
+def test_chained_router_gradients_equal_plain_linear(seeded, monkeypatch, family, layout):
     model, _ = tiny_model(layout, seq_len=SEQ, xmod_routing_family=family)
     _sharpen(model)
     model.train()
@@ -50,8 +50,12 @@ def test_chained_router_gradients_equal_plain_linear_bit_for_bit(seeded, monkeyp
     assert grads.keys() == reference_grads.keys()
     routers = [name for name in grads if "router.weight" in name]
     assert len(routers) == (6 if layout == LAYOUT else 8)
+    # The chain adds a router's input-gradient term to the rows' gradient in one addmm where autograd sums two
+    # tensors: a sum in another order, bit for bit or not depending on the CPU's BLAS path (on an AVX-512
+    # machine the last bits differ, ~3e-8 relative, and reach the routers of the layers below).
     for name, grad in grads.items():
-        assert torch.equal(grad, reference_grads[name]), name
+        scale = float(reference_grads[name].abs().max())
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-6 * scale, msg=name)
     assert all(grads[name].abs().sum() > 0 for name in routers)
 
 

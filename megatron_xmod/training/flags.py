@@ -94,6 +94,11 @@ def add_xmod_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "time) tokens a sequence, and a pass that overflowed runs again at exact widths; results equal "
                             "exact widths up to the rounding of the padded shapes (~1e-5 of the loss). Default 0: exact "
                             "widths, one host read per sparse layer (parallel layouts agree to 1e-5)")
+    group.add_argument("--xmod-compile-layers", dest="xmod_compile_layers", action="store_true",
+                       help="run each dense layer and each routed layer's update (gather, attention and MLP, gated "
+                            "scatter) as one torch.compile region (static shapes), forward and backward: fewer, fused "
+                            "kernels and less Python per layer, paid for by a few compilations at start-up "
+                            "(bench/README.md, 'Compiled layers'). TP 1, CP 1, no MoE, no recompute, no CUDA graphs")
     group.add_argument("--xmod-muon-table5", action="store_true", help="the paper's Muon settings (Table 5)")
     group.add_argument("--xmod-paper-schedule", action="store_true", help="1%% warmup, cosine to 10%% of peak")
     group.add_argument("--xmod-no-topk-validation", action="store_true",

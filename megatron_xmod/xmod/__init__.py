@@ -10,7 +10,8 @@
 - ``config``: ``XModConfig``, megatron's ``TransformerConfig`` plus the routing fields;
 - ``layers``: ``XModSparseLayer``, a megatron ``TransformerLayer`` run on the routed subsequence (and the
   local path's SDPA core attention);
-- ``block``: the decoder block spec, sliced per pipeline stage.
+- ``block``: the decoder block spec, sliced per pipeline stage;
+- ``compile``: ``--xmod-compile-layers``, each built layer's compute wired to one compiled region.
 
 ``moe/`` is its sibling for routing in width (MoE baselines, the DTop-p router).
 """

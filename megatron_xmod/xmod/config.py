@@ -87,6 +87,12 @@ class XModConfig(TransformerConfig):
     results equal exact widths up to the rounding of the padded shapes. 0 (default): each sparse layer
     reads its exact width from the device (one host sync per layer); parallel layouts agree to 1e-5."""
 
+    xmod_compile_layers: bool = False
+    """True: every dense layer's forward and every routed layer's update (token gather, attention and MLP,
+    gated scatter) run as one ``torch.compile`` region each (static shapes, no graph break), forward and
+    backward; the router and routing step stay eager. Layers of one kind and shape share one compiled
+    graph, so start-up pays a few compilations, not one per layer (megatron_xmod.xmod.compile)."""
+
     layer_layout: Optional[Layout] = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -110,6 +116,7 @@ class XModConfig(TransformerConfig):
             activated_depth=activated,
         )
         check_eval_rule(self.xmod_eval_routing)
+        check_compile_compatibility(self)
         factor = self.xmod_eval_capacity_factor
         if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 0):
             raise ValueError(f"xmod_eval_capacity_factor: must be a finite number >= 0 (0: exact widths, one host sync "
@@ -177,6 +184,34 @@ def check_cuda_graph_compatibility(config, token_choice_bias_tau_warmup: int = 0
         _GRAPH_NOTE.add(impl)
         print(f"[xmod] --cuda-graph-impl {impl}: routed layers are captured for training (top-k routing); "
               "evaluation runs them eagerly (the threshold rule routes a data-dependent number of tokens)", flush=True)
+
+
+def check_compile_compatibility(config) -> None:
+    """``xmod_compile_layers`` (``--xmod-compile-layers``): refuse, by field name, what a compiled layer region
+    does not run today, before anything is built."""
+    if not getattr(config, "xmod_compile_layers", False):
+        return
+    fix = "or drop --xmod-compile-layers"
+    refused = [
+        (getattr(config, "tensor_model_parallel_size", 1) > 1, "tensor_model_parallel_size",
+         "a compiled region would trace megatron's tensor-parallel collectives, which it has not been validated with",
+         "use --tensor-model-parallel-size 1"),
+        (getattr(config, "context_parallel_size", 1) > 1, "context_parallel_size",
+         "the context-parallel routed update builds a per-rank batch and mask the region does not cover",
+         "use --context-parallel-size 1"),
+        ((getattr(config, "cuda_graph_impl", "none") or "none") != "none", "cuda_graph_impl",
+         "a CUDA graph captures the eager layer; the two are alternatives", "drop --cuda-graph-impl"),
+        (getattr(config, "recompute_granularity", None) is not None, "recompute_granularity",
+         "activation recompute replays the layer outside the compiled graph", "drop --recompute-granularity"),
+        (bool(getattr(config, "num_moe_experts", None)), "num_moe_experts",
+         "megatron's MoE token dispatch has data-dependent shapes", "use a dense feed-forward"),
+        (getattr(config, "gradient_accumulation_fusion", False), "gradient_accumulation_fusion",
+         "its weight-gradient kernel writes main_grad inside backward, outside what the graph can trace",
+         "pass --no-gradient-accumulation-fusion"),
+    ]
+    for bad, name, why, how in refused:
+        if bad:
+            raise ValueError(f"{name}: --xmod-compile-layers: {why}; {how}, {fix}")
 
 
 def check_routing_compatibility(config: TransformerConfig, token_choice_bias_tau: float) -> None:

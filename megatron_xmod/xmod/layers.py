@@ -30,6 +30,7 @@ from megatron.core.utils import make_viewless_tensor
 from megatron_xmod.xmod.config import check_cuda_graph_compatibility, check_routing_compatibility
 from megatron_xmod.xmod.kernels import routing_step
 from megatron_xmod.xmod.permute import ResidualGrad, gather_tokens, scatter_gated
+from megatron_xmod.xmod.permute import reference as reference_permute
 from megatron_xmod.xmod.routing import (
     SparseLayerRouting,
     capacity_selection,
@@ -317,6 +318,18 @@ def _context_parallel_document_mask(document_mask: torch.Tensor, rows: torch.Ten
     return _mask_at(document_mask, rows[:, rank].t(), keys)
 
 
+def plain_routed_update(layer: XModSparseLayer, hidden_states, indices, gate, rotary_pos_emb):
+    """``layer``'s top-k routed update in plain torch ops, as ``_routed_update`` computes it without sequence
+    or context parallelism, padding or a document mask: (x with the routed tokens updated, the gathered routed
+    input). ``gate``: the routing step's [k, b] (varsigma included). What ``--xmod-compile-layers`` compiles
+    (megatron_xmod.xmod.compile): no index check (it reads the device), no kernel backend, no ResidualGrad
+    (Inductor fuses the residual gradient's add itself)."""
+    routed = reference_permute.gather_tokens(hidden_states, indices)
+    attention, mlp = layer._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices))
+    delta, gate = gated_residual(layer.routing.family, attention, mlp, gate.to(hidden_states.dtype))
+    return reference_permute.scatter_gated(hidden_states, delta, gate, indices), routed
+
+
 def _cuda_graphs(config) -> bool:
     return getattr(config, "cuda_graph_impl", "none") not in (None, "none")
 
@@ -336,6 +349,8 @@ class XModSparseLayer(TransformerLayer):
         check_routing_compatibility(config, routing.token_choice_bias_tau)
         self.routing = routing
         self.routing_state: Optional[RoutingState] = None
+        # plain_routed_update compiled (megatron_xmod.xmod.compile, --xmod-compile-layers), shared by the layers
+        self.compiled_update = None
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.router = torch.nn.Linear(config.hidden_size, 1, bias=True, device=device, dtype=config.params_dtype)
         with torch.no_grad():
@@ -620,6 +635,9 @@ class XModSparseLayer(TransformerLayer):
         if self.config.sequence_parallel:
             return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid, gate,
                                                          document_mask, batch_mask), None
+        if (self.compiled_update is not None and valid is None and gate is not None and document_mask is None
+                and batch_mask is None):  # top-k at static shapes: the compiled region
+            return self.compiled_update(self, hidden_states, indices, gate, rotary_pos_emb)
         # A threshold batch (valid given) is not sorted past its real tokens: plain-torch permutation, and
         # no check of the sorted order the other backends need.
         backend, check = (None, None) if valid is None else ("torch", False)
