@@ -99,6 +99,7 @@ def test_reference_gradcheck_fp64(shape):
     x, y, gate, idx, _, _ = make_inputs(shape, torch.float64, seed=2)
     x, y, gate = leaf(x, y, gate)
     assert torch.autograd.gradcheck(lambda a: reference.gather_tokens(a, idx), (x,))
+    assert torch.autograd.gradcheck(lambda a: reference.gather_unique_tokens(a, idx), (x,))
     assert torch.autograd.gradcheck(lambda a, b_, g: reference.scatter_gated(a, b_, g, idx), (x, y, gate))
 
 

@@ -323,8 +323,9 @@ def plain_routed_update(layer: XModSparseLayer, hidden_states, indices, gate, ro
     or context parallelism, padding or a document mask: (x with the routed tokens updated, the gathered routed
     input). ``gate``: the routing step's [k, b] (varsigma included). What ``--xmod-compile-layers`` compiles
     (megatron_xmod.xmod.compile): no index check (it reads the device), no kernel backend, no ResidualGrad
-    (Inductor fuses the residual gradient's add itself)."""
-    routed = reference_permute.gather_tokens(hidden_states, indices)
+    (Inductor fuses the residual gradient's add itself), and top-k's indices are unique, so the gather's
+    backward writes rows rather than adding them."""
+    routed = reference_permute.gather_unique_tokens(hidden_states, indices)
     attention, mlp = layer._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices))
     delta, gate = gated_residual(layer.routing.family, attention, mlp, gate.to(hidden_states.dtype))
     return reference_permute.scatter_gated(hidden_states, delta, gate, indices), routed

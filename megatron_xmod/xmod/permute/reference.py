@@ -17,6 +17,30 @@ def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).index_select(0, rows).view(k, b, x.shape[-1])
 
 
+class _GatherUniqueRows(torch.autograd.Function):
+    """``x2d.index_select(0, rows)`` whose backward writes the rows' gradients (``index_copy``) where
+    ``index_select``'s adds them (``index_add``): the same for unique rows, and a compiler need not make the
+    writes atomic (Inductor's CPU index_add is an atomic add per element)."""
+
+    @staticmethod
+    def forward(ctx, x2d, rows):
+        ctx.save_for_backward(rows)
+        ctx.num_rows = x2d.shape[0]
+        return x2d.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.num_rows, grad.shape[1]).index_copy(0, rows, grad), None
+
+
+def gather_unique_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """:func:`gather_tokens` for indices unique per sequence (top-k's), with a non-accumulating backward."""
+    k, b = indices.shape
+    rows = (indices * b + torch.arange(b, device=indices.device)).reshape(-1)
+    return _GatherUniqueRows.apply(x.reshape(-1, x.shape[-1]), rows).view(k, b, x.shape[-1])
+
+
 def scatter_gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Return ``x`` with ``x + gate * y`` written at ``indices``; every other token passes unchanged.
 
