@@ -119,9 +119,23 @@ def test_pipeline_parallel_2_trains(byte_data, tmp_path):
         assert tags[f"routing/selected_fraction/layer_{layer:03d}"][ITERS] == pytest.approx(0.25)
 
 
+def test_compiled_layers_train_as_the_eager_run(byte_data, reference_run, tmp_path):
+    """--xmod-compile-layers through megatron's loop: the same losses as the eager reference run (float
+    rounding apart), validation included (threshold routing runs the routed layers eagerly)."""
+    launch(1, tmp_path, byte_data, "--xmod-compile-layers")
+    tags, reference = scalars(tmp_path / "tb"), scalars(reference_run / "tb")
+    assert sorted(tags["lm loss"]) == sorted(reference["lm loss"]) == list(range(1, ITERS + 1))
+    for step, loss in reference["lm loss"].items():
+        assert tags["lm loss"][step] == pytest.approx(loss, rel=2e-3), step
+    validation = [tag for tag in reference if tag.startswith("lm loss validation")]
+    assert validation and all(tags[tag] == pytest.approx(reference[tag], rel=2e-3) for tag in validation)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--num-layers", "9"], "num_layers: 9 does not match the layout"),
     (["--xmod-sparsity-k", "3"], "sparsity_k: 3 disagrees with the layout"),
+    (["--xmod-compile-layers", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"], "recompute_granularity: --xmod-compile-layers"),
 ])
 def test_inconsistent_xmod_arguments_fail_before_training(byte_data, tmp_path, extra, message):
     result = launch(1, tmp_path, byte_data, *extra, check=False)
