@@ -248,7 +248,7 @@ class ModelRun:
             self.peak_gib = max(self.peak_gib or 0.0, torch.cuda.max_memory_allocated() / 2**30)
         if not timed:
             self.warmup_fwd_bwd_s.append(t1 - t0)
-        if timed:
+        else:
             self.fwd_bwd_s.append(t1 - t0)
             self.optimizer_s.append(t2 - t1)
             self.train_losses.append(float(statistics.mean(float(x["lm loss"]) for x in losses)))

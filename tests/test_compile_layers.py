@@ -51,7 +51,8 @@ def test_compiled_layers_equal_eager_and_run_as_shared_graphs(seeded):
     compiled, _ = tiny_model(LAYOUT, xmod_compile_layers=True)
     compiled.load_state_dict(eager.state_dict())
     layers = list(compiled.decoder.layers)
-    routed, dense = sparse_layers(compiled), [layer for layer in layers if layer not in sparse_layers(compiled)]
+    routed = sparse_layers(compiled)
+    dense = [layer for layer in layers if layer not in routed]
     layout = parse_layout(LAYOUT)
     assert len(routed) == layout.num_sparse_layers == 5 and len(dense) == layout.num_layers - 5
     routed_calls, dense_calls = _Counting(routed[0].compiled_update), _Counting(dense[0].forward.compiled)

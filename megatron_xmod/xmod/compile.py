@@ -69,8 +69,8 @@ def compile_layers(model: torch.nn.Module) -> dict:
     import torch._dynamo
 
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
-    for layer in layers:
-        check_compile_compatibility(_Compiling(layer.config))
+    for config in {id(layer.config): layer.config for layer in layers}.values():  # the layers share one, usually
+        check_compile_compatibility(config)
     engine = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith(_TE_MODULES)})
     if engine:
         raise ValueError(f"transformer_impl: --xmod-compile-layers traces megatron's local modules; this model has "
@@ -104,13 +104,3 @@ def _constant_tp_group_lookup() -> None:
     import torch._dynamo
 
     torch._dynamo.assume_constant_result(tensor_parallel_layers.get_tensor_model_parallel_group_if_none)
-
-
-class _Compiling:
-    """A layer's config as the compile check reads it: compilation asked for (whatever the config says)."""
-
-    def __init__(self, config):
-        self._config = config
-
-    def __getattr__(self, name):
-        return True if name == "xmod_compile_layers" else getattr(self._config, name)

@@ -116,7 +116,8 @@ class XModConfig(TransformerConfig):
             activated_depth=activated,
         )
         check_eval_rule(self.xmod_eval_routing)
-        check_compile_compatibility(self)
+        if self.xmod_compile_layers:
+            check_compile_compatibility(self)
         factor = self.xmod_eval_capacity_factor
         if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 0):
             raise ValueError(f"xmod_eval_capacity_factor: must be a finite number >= 0 (0: exact widths, one host sync "
@@ -187,10 +188,8 @@ def check_cuda_graph_compatibility(config, token_choice_bias_tau_warmup: int = 0
 
 
 def check_compile_compatibility(config) -> None:
-    """``xmod_compile_layers`` (``--xmod-compile-layers``): refuse, by field name, what a compiled layer region
-    does not run today, before anything is built."""
-    if not getattr(config, "xmod_compile_layers", False):
-        return
+    """``--xmod-compile-layers`` (``xmod_compile_layers``) with ``config``: refuse, by field name, what a compiled
+    layer region does not run today, before anything is built."""
     fix = "or drop --xmod-compile-layers"
     refused = [
         (getattr(config, "tensor_model_parallel_size", 1) > 1, "tensor_model_parallel_size",

@@ -5,6 +5,8 @@ ascending per column, so the gathered subsequence keeps the original token order
 """
 import torch
 
+from megatron_xmod.xmod.routing_state import flat_rows
+
 
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``[s, b, h]`` + ``[k, b]`` -> ``[k, b, h]``: the routed tokens of each sequence.
@@ -12,9 +14,7 @@ def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     Rows of the flat ``[s*b, h]`` view: ``index_select`` keeps only the indices for its backward,
     where ``torch.gather`` would keep the whole full-length input (activation memory of a routed layer).
     """
-    k, b = indices.shape
-    rows = (indices * b + torch.arange(b, device=indices.device)).reshape(-1)
-    return x.reshape(-1, x.shape[-1]).index_select(0, rows).view(k, b, x.shape[-1])
+    return x.reshape(-1, x.shape[-1]).index_select(0, flat_rows(indices, indices.shape[1])).view(*indices.shape, x.shape[-1])
 
 
 class _GatherUniqueRows(torch.autograd.Function):
@@ -36,9 +36,7 @@ class _GatherUniqueRows(torch.autograd.Function):
 
 def gather_unique_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """:func:`gather_tokens` for indices unique per sequence (top-k's), with a non-accumulating backward."""
-    k, b = indices.shape
-    rows = (indices * b + torch.arange(b, device=indices.device)).reshape(-1)
-    return _GatherUniqueRows.apply(x.reshape(-1, x.shape[-1]), rows).view(k, b, x.shape[-1])
+    return _GatherUniqueRows.apply(x.reshape(-1, x.shape[-1]), flat_rows(indices, indices.shape[1])).view(*indices.shape, x.shape[-1])
 
 
 def scatter_gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
