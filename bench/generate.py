@@ -12,10 +12,11 @@ routes 1/K of the tokens (as a trained router does; a fresh one routes about hal
 (argmax), the model's own ``XModCache``. Every timed configuration runs the models interleaved
 (model A, B, C, D, then again), medians of ``--repeats``.
 
-Each repeat prefills once per model; both decode paths start from copies of that cache. "decode
-before" is the same model with ``XModModel.decode_skips_unrouted = False``: every sparse layer
-runs its router and selection at every step and reads the selection back from the device (the decode
-path before the run-ahead of ``XModModel._decode_sparse_run``).
+Prefill computes the logits of the last position only (``logits_to_keep=1``, what ``generate``
+asks for). With ``--per-layer-decode`` each repeat also decodes from a copy of the same prefill
+with ``XModModel.decode_skips_unrouted = False`` ("decode before"): every sparse layer runs its
+router and selection at every step and reads the selection back from the device (the decode path
+before the run-ahead of ``XModModel._decode_sparse_run``).
 
 Writes ``generate_<machine>_<date>.json`` / ``.md`` and ``generate_<machine>_<date>.png`` (decode
 tokens/s against prompt length) under ``--out``.
@@ -95,7 +96,7 @@ def prefill(model, prompt):
     from megatron_xmod.hf.cache import XModCache
 
     cache = XModCache(model.config)
-    logits = model(prompt, cache=cache).logits[:, -1]
+    logits = model(prompt, cache=cache, logits_to_keep=1).logits[:, -1]
     return logits.argmax(-1, keepdim=True), cache
 
 
@@ -134,7 +135,8 @@ def syncs_per_token(model, prompt, steps: int) -> float:
     return counter.count / steps
 
 
-def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device, log=print, after_each=None):
+def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device, log=print, after_each=None,
+            per_layer_decode=False):
     """Rows of every (batch, prompt, model); ``after_each(rows)`` after each (batch, prompt), so that a run
     cut off keeps what finished."""
     vocab = 50304
@@ -160,7 +162,7 @@ def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device
                 for name in models:  # interleaved
                     model = built[name][0]
                     pre, token, prefilled = time_prefill(model, prompt, device)
-                    for path in ("after", "before") if name != "dense" else ("after",):
+                    for path in ("after", "before") if name != "dense" and per_layer_decode else ("after",):
                         model.model.decode_skips_unrouted = path == "after"
                         cache = copy.deepcopy(prefilled)  # both paths decode from the same prefill
                         dec, generated = time_decode(model, token, cache, new_tokens, device)
@@ -175,9 +177,10 @@ def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device
                 row = dict(model=name, layers=model.config.num_hidden_layers, batch=batch, prompt=length,
                            new_tokens=new_tokens, prefill_tok_s=batch * length / pre, decode_tok_s=batch * new_tokens / dec,
                            kv_cache_bytes=cache.nbytes()["total"],
+                           kv_cache_allocated_bytes=cache.nbytes(allocated=True)["total"],
                            syncs_per_token=syncs_per_token(model, prompt, min(8, new_tokens)),
                            routed_fraction=statistics.mean(fractions) if fractions else 1.0)
-                if name != "dense":
+                if name != "dense" and per_layer_decode:
                     _, before_cache_generated = outputs[name, "before"]
                     row["same_tokens_as_before"] = bool(torch.equal(before_cache_generated, generated))
                     row["decode_tok_s_before"] = batch * new_tokens / statistics.median(times[name, "before"][1])
@@ -211,7 +214,7 @@ def render_markdown(meta, rows) -> str:
            f"runs; routers calibrated to route 1/K (see the script's docstring)",
            f"- load average before/after (1/5/15 min): {meta['loadavg_start']} / {meta['loadavg']}", "",
            "| batch | prompt | model | layers | prefill tok/s | vs Dense | decode tok/s | vs Dense | decode before | "
-           "before vs Dense | syncs/token (before) | KV cache KiB |",
+           "before vs Dense | syncs/token (before) | KV cache KiB (allocated) |",
            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         before = (f"{r['decode_tok_s_before']:.1f} | {r['decode_before_vs_dense']:.2f}" if "decode_tok_s_before" in r
@@ -220,7 +223,8 @@ def render_markdown(meta, rows) -> str:
                                                  else "")
         out.append(f"| {r['batch']} | {r['prompt']} | {r['model']} | {r['layers']} | {r['prefill_tok_s']:.0f} | "
                    f"{r.get('prefill_vs_dense', 1):.2f} | {r['decode_tok_s']:.1f} | {r.get('decode_vs_dense', 1):.2f} | "
-                   f"{before} | {syncs} | {r['kv_cache_bytes'] / 1024:.0f} |")
+                   f"{before} | {syncs} | {r['kv_cache_bytes'] / 1024:.0f} "
+                   f"({r.get('kv_cache_allocated_bytes', r['kv_cache_bytes']) / 1024:.0f}) |")
     return "\n".join(out) + "\n"
 
 
@@ -256,6 +260,8 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="hidden 64, prompt 32, batch 1 and 2, 8 new tokens, 1 repeat")
+    p.add_argument("--per-layer-decode", action="store_true",
+                   help="also decode with every sparse layer's own routing at every step (the path before the run-ahead)")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = p.parse_args(argv)
     if args.quick:
@@ -276,7 +282,7 @@ def main(argv=None):
         return meta
 
     rows = measure(args.models, args.prompts, args.batches, args.new_tokens, args.repeats, args.hidden, device,
-                   after_each=write)
+                   after_each=write, per_layer_decode=args.per_layer_decode)
     print(render_markdown(write(rows), rows))
     return rows
 

@@ -17,6 +17,7 @@ from hf_helpers import left_padded  # noqa: E402
 from sync_counter import SyncCounter  # noqa: E402
 
 from megatron_xmod.hf.cache import XModCache  # noqa: E402
+from megatron_xmod.hf.modeling_xmod import XModDecoderLayer  # noqa: E402
 
 VOCAB, PAD = 96, 95
 LAYOUT = "D + (S4*6 + D)*2"  # two runs of six sparse layers
@@ -134,3 +135,65 @@ def test_a_layer_whose_score_is_within_rounding_of_zero_takes_its_own_decision()
     hook.remove()
     assert runs[1] is False  # the first decode step: the layer's own routing, its count read back
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def _left_padded_generation(model, prompts, steps):
+    """Greedy generation of a left-padded batch; returns (tokens, logits [b, steps, vocab], cache, prefill width
+    of each layer: the columns in use after the prompt)."""
+    batch, mask = left_padded(prompts, PAD)
+    with torch.no_grad():
+        prefilled = XModCache(model.config)
+        model(batch, attention_mask=mask, cache=prefilled)
+        out = model.generate(batch, attention_mask=mask, max_new_tokens=steps, do_sample=False, pad_token_id=PAD,
+                             return_dict_in_generate=True, output_logits=True)
+    return out.sequences, torch.stack(out.logits, 1), out.past_key_values, [layer.used for layer in prefilled.layers]
+
+
+def test_batched_decode_runs_and_caches_the_routing_sequences_only(monkeypatch):
+    """A decode step runs a sparse layer's attention and MLP for the sequences of the batch that route
+    their token there, and appends cache entries for those alone: each sequence's cache holds exactly
+    what it holds decoded alone, and a layer's columns grow by the most any one sequence routed, not
+    by one for every step in which some sequence routed (the padded path before)."""
+    model = routed_model()
+    prompts = [prompt(1, 9, seed=5)[0], prompt(1, 4, seed=6)[0], prompt(1, 6, seed=7)[0], prompt(1, 7, seed=8)[0]]
+    steps = 10
+    subsets, forward_rows = [], XModDecoderLayer.forward_rows
+    monkeypatch.setattr(XModDecoderLayer, "forward_rows",
+                        lambda self, *args: (subsets.append(len(args[6])), forward_rows(self, *args))[1])
+    tokens, logits, cache, prefill_width = _left_padded_generation(model, prompts, steps)
+    assert subsets and max(subsets) < len(prompts), subsets  # layers ran for a part of the batch
+    width = tokens.shape[1] - steps
+    decoded_per_row = []
+    for row, p in enumerate(prompts):
+        want_tokens, want_logits = recomputed(model, p[None], steps)
+        assert torch.equal(tokens[row, width:], want_tokens[0, len(p):]), row
+        torch.testing.assert_close(logits[row], want_logits[0], rtol=0, atol=1e-5)
+        alone = XModCache(model.config)
+        with torch.no_grad():
+            model(want_tokens[:, :-1], cache=alone)  # the cache decoding it alone ends with
+        mine = [int(layer.valid[row].sum()) for layer in cache.layers]
+        assert mine == alone.entries(), row
+        prompt_only = XModCache(model.config)
+        with torch.no_grad():
+            model(p[None], cache=prompt_only)
+        decoded_per_row.append([a - b for a, b in zip(alone.entries(), prompt_only.entries())])
+    for i, layer in enumerate(cache.layers):
+        if layer.sparse:  # the prompt's padded block, then each sequence at its own columns
+            assert layer.used == prefill_width[i] + max(row[i] for row in decoded_per_row), i
+
+
+def test_cache_appends_write_into_preallocated_buffers():
+    """A decode step writes its entries into the layer's buffers (no copy of the cache per token) until
+    they are full; then they grow, keeping every entry."""
+    model = routed_model()
+    token, cache = prefill(model, prompt(length=40))
+    dense = next(layer for layer in cache.layers if not layer.sparse)
+    storage, capacity = dense.keys.untyped_storage().data_ptr(), dense.capacity
+    assert capacity >= dense.used + 5
+    before = dense.keys.clone()
+    decode(model, token, cache, capacity - dense.used)  # fills the buffers exactly
+    assert dense.keys.untyped_storage().data_ptr() == storage and dense.capacity == capacity == dense.used
+    decode(model, token, cache, 1)  # one more: the buffers grow
+    assert dense.capacity > capacity and dense.used == capacity + 1
+    assert torch.equal(dense.keys[:, :, :before.shape[2]], before)
+    assert cache.nbytes(allocated=True)["total"] > cache.nbytes()["total"]

@@ -408,6 +408,30 @@ def test_hf_generation_with_the_sparse_cache(seeded):
     assert all(entries[i] == length for i in range(len(entries)) if i not in sparse)
 
 
+@pytest.mark.parametrize("kind", ["xmod-moe", "mod-dtopp"])
+def test_hf_moe_on_a_decode_steps_tokens_runs_every_expert_without_a_device_read(seeded, kind):
+    """A few tokens (a decode step's) go through every expert, weighted 0 where not routed: the same
+    output as running each expert on its routed tokens, with no host sync to find them."""
+    from hf_helpers import build_megatron, hf_twin
+    from sync_counter import SyncCounter
+
+    from megatron_xmod.hf.modeling_xmod import XModMoE
+
+    hf = hf_twin(*build_megatron(kind))
+    moe = next(m for m in hf.modules() if isinstance(m, XModMoE))
+    tokens = torch.randn(1, len(moe.experts), hf.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), SyncCounter() as syncs:
+        out = moe(tokens)
+    assert syncs.count == 0, syncs.hits
+    with torch.no_grad():
+        weights, routing_map = moe.router(tokens[0])
+        want = moe._routed_experts(tokens[0], weights, routing_map)
+        if moe.shared_experts is not None:
+            want = want + moe.shared_experts(tokens[0])
+    assert 0 < int(routing_map.sum()) < routing_map.numel()  # some experts are not routed: the weighting matters
+    torch.testing.assert_close(out[0], want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_hf_export_of_an_entry_point_checkpoint_and_back(entry_reference, tmp_path):
     """``xmod export-hf`` of the entry point's combined checkpoint: logits of megatron's model in eval

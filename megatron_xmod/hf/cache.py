@@ -5,10 +5,11 @@ of those tokens: its cache layer grows by one entry per *routed* token (about 1/
 threshold rule), a dense layer's by one per token. Keys are stored after RoPE, i.e. at the token's
 original position, which is also kept (``positions``) for inspection.
 
-In a batch, sequences route different tokens: an update appends the same number of entries to
-every sequence (the most any sequence routed in that step) and marks the surplus invalid
-(``valid``), the same padding the megatron layer uses for threshold routing; left padding enters
-as invalid entries too. Attention reads ``valid`` as its key mask.
+In a batch, sequences route different tokens. A pass over several tokens (a prefill) appends the
+same number of entries to every sequence (the most any sequence routed) and marks the surplus
+invalid (``valid``), the same padding the megatron layer uses for threshold routing; left padding
+enters as invalid entries too. A decode step appends only for the sequences that route their new
+token, each sequence at its own next column. Attention reads ``valid`` as its key mask.
 
 The token-choice bias (Eq.8 of the X-MoD paper) needs no cache: a token's bias in a layer depends
 only on its own decisions in the previous sparse layers of the block, all taken in the forward pass
@@ -21,12 +22,24 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-class SparseKVLayer(DynamicLayer):
-    """K/V of one layer, ``[batch, kv_heads, entries, head_dim]``, plus ``valid`` / ``positions`` ``[batch, entries]``."""
+class SparseKVLayer(CacheLayerMixin):
+    """K/V of one layer in preallocated buffers ``[batch, kv_heads, capacity, head_dim]``, plus ``valid`` /
+    ``positions`` ``[batch, capacity]``.
 
+    Each sequence fills its own columns in order: a decode step in a sparse layer appends only for
+    the sequences that route their token there; the others' columns stay empty (invalid), so a batch
+    does not pad every sequence to the busiest one step by step. The fill of each sequence is kept on
+    the host (``fills``: the model always knows how many entries it appends where, so no write reads
+    the device) and on the device (``_fill``: the write positions, so no write copies indices from the
+    host). ``keys`` / ``values`` / ``valid`` / ``positions`` are views of the columns in use (up to the
+    largest fill). Buffers grow by an eighth (at least 16 columns) when full: an append is a write,
+    not a copy of the layer's cache.
+    """
+
+    is_compileable = False
     is_croppable = False
 
     def __init__(self, sparse: bool = False, **kwargs):
@@ -34,54 +47,151 @@ class SparseKVLayer(DynamicLayer):
         self.sparse = sparse
         self.valid: Optional[torch.Tensor] = None
         self.positions: Optional[torch.Tensor] = None
+        self.fills: list[int] = []
+        self._fill: Optional[torch.Tensor] = None
+        self._buffers: Optional[tuple[torch.Tensor, ...]] = None  # keys, values, valid, positions at full capacity
+
+    @property
+    def used(self) -> int:
+        """Columns in use: the largest fill of any sequence."""
+        return max(self.fills, default=0)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buffers is None else self._buffers[0].shape[2]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        self.device = key_states.device
+        self.fills = [0] * batch
+        self._fill = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self._buffers = (key_states.new_empty(batch, heads, 0, dim), value_states.new_empty(batch, heads, 0, dim),
+                         torch.zeros(batch, 0, dtype=torch.bool, device=self.device),
+                         torch.full((batch, 0), -1, dtype=torch.long, device=self.device))
+        self.is_initialized = True
+
+    def _reserve(self, columns: int) -> None:
+        if columns <= self.capacity:
+            return
+        pad = columns + max(16, columns // 8) - self.capacity
+        keys, values, valid, positions = self._buffers
+        self._buffers = (torch.cat([keys, keys.new_zeros(*keys.shape[:2], pad, keys.shape[3])], dim=2),
+                         torch.cat([values, values.new_zeros(*values.shape[:2], pad, values.shape[3])], dim=2),
+                         torch.cat([valid, valid.new_zeros(valid.shape[0], pad)], dim=1),
+                         torch.cat([positions, positions.new_full((positions.shape[0], pad), -1)], dim=1))
+
+    def _set_views(self) -> None:
+        used = self.used
+        keys, values, valid, positions = self._buffers
+        self.keys, self.values = keys[:, :, :used], values[:, :, :used]
+        self.valid, self.positions = valid[:, :used], positions[:, :used]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: Optional[torch.Tensor] = None,
-               positions: Optional[torch.Tensor] = None, *args, **kwargs):
-        """Append entries; returns (keys, values, valid) of the whole layer."""
-        batch, _, new, _ = key_states.shape
+               positions: Optional[torch.Tensor] = None, rows: Optional[list[int]] = None,
+               row_index: Optional[torch.Tensor] = None, *args, **kwargs):
+        """Append ``new`` entries ``[n, kv_heads, new, head_dim]`` for the sequences ``rows`` (ascending batch
+        rows; ``row_index`` the same on the device; None: every sequence). Returns ``(keys, values,
+        valid, new_columns)`` of those sequences over the columns any of them uses, ``new_columns``
+        ``[n, new]`` the columns of the appended entries."""
+        n, _, new, _ = key_states.shape
         if valid is None:
-            valid = torch.ones(batch, new, dtype=torch.bool, device=key_states.device)
+            valid = torch.ones(n, new, dtype=torch.bool, device=key_states.device)
         if positions is None:
-            positions = torch.full((batch, new), -1, dtype=torch.long, device=key_states.device)
+            positions = torch.full((n, new), -1, dtype=torch.long, device=key_states.device)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.keys, self.values, self.valid, self.positions = key_states, value_states, valid, positions
+        if rows is None:
+            rows = list(range(len(self.fills)))
+        starts = [self.fills[r] for r in rows]
+        width = max(starts) + new
+        self._reserve(width)
+        keys, values, valid_buffer, position_buffer = self._buffers
+        steps = torch.arange(new, device=keys.device)
+        if len(rows) == len(self.fills) and min(starts) == width - new:  # every sequence at the same column
+            start = width - new
+            keys[:, :, start:width] = key_states
+            values[:, :, start:width] = value_states
+            valid_buffer[:, start:width] = valid
+            position_buffer[:, start:width] = positions
+            self._fill += new
+            new_columns = (start + steps).expand(n, new)
         else:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-            self.valid = torch.cat([self.valid, valid], dim=-1)
-            self.positions = torch.cat([self.positions, positions], dim=-1)
-        return self.keys, self.values, self.valid
+            if row_index is None:
+                row_index = torch.tensor(rows, device=keys.device)
+            index = row_index[:, None]
+            new_columns = self._fill[row_index][:, None] + steps
+            keys[index, :, new_columns] = key_states.transpose(1, 2)
+            values[index, :, new_columns] = value_states.transpose(1, 2)
+            valid_buffer[index, new_columns] = valid
+            position_buffer[index, new_columns] = positions
+            self._fill.index_add_(0, row_index, torch.full_like(row_index, new))
+        for r in rows:
+            self.fills[r] += new
+        self._set_views()
+        if len(rows) == len(self.fills):
+            return self.keys, self.values, self.valid, new_columns
+        if rows[-1] - rows[0] == len(rows) - 1:  # consecutive sequences (one, typically): views, no copy
+            picked = slice(rows[0], rows[-1] + 1)
+            return keys[picked, :, :width], values[picked, :, :width], valid_buffer[picked, :width], new_columns
+        return (keys[:, :, :width].index_select(0, row_index), values[:, :, :width].index_select(0, row_index),
+                valid_buffer[:, :width].index_select(0, row_index), new_columns)
+
+    def get_seq_length(self) -> int:
+        return self.used
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.used + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
 
     def reset(self) -> None:
-        self.valid = self.positions = None
-        super().reset()
+        self.keys = self.values = self.valid = self.positions = self._buffers = self._fill = None
+        self.fills = []
+        self.is_initialized = False
+
+    def offload(self):
+        if self.is_initialized:
+            self._buffers = tuple(t.to("cpu", non_blocking=True) for t in self._buffers)
+            self._fill = self._fill.to("cpu", non_blocking=True)
+            self._set_views()
+
+    def prefetch(self):
+        if self.is_initialized and self._buffers[0].device != self.device:
+            self._buffers = tuple(t.to(self.device, non_blocking=True) for t in self._buffers)
+            self._fill = self._fill.to(self.device, non_blocking=True)
+            self._set_views()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("crop: a sparse layer's entries are not one per token; assisted decoding is not "
                                   "supported with XModCache")
 
+    def _select_batch(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            indices = indices.to(self._buffers[0].device)
+            self._buffers = tuple(t.index_select(0, indices) for t in self._buffers)
+            self._fill = self._fill.index_select(0, indices)
+            self.fills = [self.fills[i] for i in indices.tolist()]
+            self._set_views()
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.batch_select_indices(beam_idx)
+        self._select_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_batch(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self.keys, self.values, self.valid, self.positions = (
-                t.repeat_interleave(repeats, dim=0) for t in (self.keys, self.values, self.valid, self.positions))
+            self._select_batch(torch.arange(len(self.fills)).repeat_interleave(repeats))
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            indices = indices.to(self.keys.device)
-            self.keys, self.values, self.valid, self.positions = (
-                t.index_select(0, indices) for t in (self.keys, self.values, self.valid, self.positions))
-
-    def nbytes(self, valid_only: bool = False) -> int:
-        """Bytes of the stored keys and values (``valid_only``: counting valid entries only)."""
+    def nbytes(self, valid_only: bool = False, allocated: bool = False) -> int:
+        """Bytes of the keys and values in use (every sequence's columns up to the largest fill);
+        ``valid_only``: valid entries only; ``allocated``: the whole preallocated buffers."""
         if not self.is_initialized:
             return 0
-        batch, heads, entries, dim = self.keys.shape
-        per_entry = heads * dim * (self.keys.element_size() + self.values.element_size())
-        count = int(self.valid.sum()) if valid_only else batch * entries
+        batch, heads, capacity, dim = self._buffers[0].shape
+        per_entry = heads * dim * (self._buffers[0].element_size() + self._buffers[1].element_size())
+        count = int(self.valid.sum()) if valid_only else batch * (capacity if allocated else self.used)
         return count * per_entry
 
 
@@ -98,8 +208,9 @@ class XModCache(Cache):
         super().__init__(layers=[SparseKVLayer(sparse=bool(s)) for s in sparse_layers])
         self.seen_tokens = 0
 
-    def update(self, key_states, value_states, layer_idx: int, valid=None, positions=None, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, valid, positions)
+    def update(self, key_states, value_states, layer_idx: int, valid=None, positions=None, rows=None, row_index=None,
+               *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states, valid, positions, rows, row_index)
 
     def advance(self, num_tokens: int) -> None:
         """Called by the model after each forward pass over ``num_tokens`` new tokens."""
@@ -123,9 +234,10 @@ class XModCache(Cache):
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("crop: not supported by XModCache (sparse layers keep routed tokens only)")
 
-    def nbytes(self, valid_only: bool = False) -> dict:
-        """Cache bytes: ``{"sparse": ..., "dense": ..., "total": ..., "per_layer": [...]}``."""
-        per_layer = [layer.nbytes(valid_only) for layer in self.layers]
+    def nbytes(self, valid_only: bool = False, allocated: bool = False) -> dict:
+        """Cache bytes: ``{"sparse": ..., "dense": ..., "total": ..., "per_layer": [...]}`` (see
+        :meth:`SparseKVLayer.nbytes`)."""
+        per_layer = [layer.nbytes(valid_only, allocated) for layer in self.layers]
         sparse = sum(b for b, layer in zip(per_layer, self.layers) if layer.sparse)
         return {"sparse": sparse, "dense": sum(per_layer) - sparse, "total": sum(per_layer), "per_layer": per_layer}
 

@@ -33,12 +33,18 @@ try:  # an exported folder: the verbatim copies next to this file
     from .cache import XModCache
     from .configuration_xmod import XModHFConfig
     from .moe_scores import normalize_routing_logits, top_p_routing, topk_routing
-    from .routing import gated_residual, padded_selection, route, update_token_choice_bias
+    from .routing import adjusted_logits, gated_residual, padded_selection, route, update_token_choice_bias
 except ImportError:  # inside the megatron_xmod package
     from megatron_xmod.hf.cache import XModCache
     from megatron_xmod.hf.configuration_xmod import XModHFConfig
     from megatron_xmod.moe.scores import normalize_routing_logits, top_p_routing, topk_routing
-    from megatron_xmod.xmod.routing import gated_residual, padded_selection, route, update_token_choice_bias
+    from megatron_xmod.xmod.routing import (
+        adjusted_logits,
+        gated_residual,
+        padded_selection,
+        route,
+        update_token_choice_bias,
+    )
 
 # transformers 5 names the cache "cache"; 4.x named it "past_key_values".
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -108,11 +114,13 @@ class XModAttention(nn.Module):
             self.k_norm = XModRMSNorm(d, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                cache: Optional[XModCache] = None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+                cache: Optional[XModCache] = None, documents: Optional[torch.Tensor] = None,
+                rows: Optional[list[int]] = None, row_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` ``[b, m, h]``: the tokens this layer processes, in order; ``valid`` ``[b, m]``: which of
         them other tokens may attend to (not padding). Each token attends causally to the valid
         tokens of this layer before it (cached ones included) and to itself; with ``documents``
-        ``[b, m]`` (packed inputs, no cache: :func:`packed_documents`) only to those of its own document."""
+        ``[b, m]`` (packed inputs, no cache: :func:`packed_documents`) only to those of its own document.
+        ``rows`` / ``row_index``: the batch rows of the cache that ``x`` belongs to (None: all)."""
         b, m, _ = x.shape
         q = self.q_proj(x).view(b, m, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, m, self.groups, self.head_dim)
@@ -124,21 +132,26 @@ class XModAttention(nn.Module):
         k = apply_rotary(k, freqs, self.config.rotary_interleaved)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, m, d]
         if cache is not None:
-            k, v, key_valid = cache.update(k, v, self.layer_idx, valid, positions)
+            k, v, key_valid, new_columns = cache.update(k, v, self.layer_idx, valid, positions, rows, row_index)
         else:
-            key_valid = valid
-        past = k.shape[2] - m
-        new = torch.ones(m, m, dtype=torch.bool, device=x.device).tril()
-        causal = torch.cat([torch.ones(m, past, dtype=torch.bool, device=x.device), new], dim=1)  # [m, past + m]
-        itself = torch.cat([torch.zeros(m, past, dtype=torch.bool, device=x.device),
-                            torch.eye(m, dtype=torch.bool, device=x.device)], dim=1)
-        allowed = causal & key_valid[:, None, :]  # [b, m, past + m]
+            key_valid, new_columns = valid, torch.arange(m, device=x.device).expand(b, m)
+        allowed = attention_mask(key_valid, new_columns)
         if documents is not None:
             allowed = allowed & (documents[:, :, None] == documents[:, None, :])
-        allowed = allowed | itself
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), scale=1.0 / math.sqrt(self.head_dim),
                                              enable_gqa=self.heads != self.groups)
         return self.o_proj(out.transpose(1, 2).reshape(b, m, self.heads * self.head_dim))
+
+
+def attention_mask(key_valid: torch.Tensor, new_columns: torch.Tensor) -> torch.Tensor:
+    """``[b, m, keys]``: new token i (at key column ``new_columns[:, i]``) may attend to every valid key
+    that is not a new token, to the valid new tokens before it, and always to itself (a padding
+    token attends to itself only, so that no row of the softmax is empty)."""
+    b, m = new_columns.shape
+    steps = torch.arange(m, device=new_columns.device)
+    order = torch.full_like(key_valid, -1, dtype=torch.long).scatter_(1, new_columns, steps.expand(b, m))
+    order, query = order[:, None, :], steps[None, :, None]  # [b, 1, keys]: -1 for a cached key
+    return ((order <= query) & key_valid[:, None, :]) | (order == query)
 
 
 class XModMLP(nn.Module):
@@ -203,13 +216,25 @@ class XModMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         weights, routing_map = self.router(tokens)
+        if tokens.shape[0] <= len(self.experts):
+            # A decode step's few tokens: every expert runs on all of them, weighted 0 where not routed.
+            # At decode an expert's cost is reading its weights, which a handful of tokens spread over
+            # the experts reads anyway; in exchange no device read decides which experts run.
+            gates = (weights * routing_map).to(tokens.dtype)
+            out = sum(expert(tokens) * gates[:, e, None] for e, expert in enumerate(self.experts))
+        else:
+            out = self._routed_experts(tokens, weights, routing_map)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.view_as(x)
+
+    def _routed_experts(self, tokens, weights, routing_map):
+        """Each expert on its routed tokens only (one device read per expert that has tokens)."""
         out = torch.zeros_like(tokens)
         for e in routing_map.any(0).nonzero().flatten().tolist():
             rows = routing_map[:, e].nonzero().flatten()
             out.index_add_(0, rows, self.experts[e](tokens[rows]) * weights[rows, e, None].to(tokens.dtype))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
-        return out.view_as(x)
+        return out
 
 
 class XModDecoderLayer(nn.Module):
@@ -229,8 +254,8 @@ class XModDecoderLayer(nn.Module):
             if config.routing_family == "xmod":
                 self.gate_scale = nn.Parameter(torch.ones(1))
 
-    def _attention_and_mlp(self, x, positions, valid, cache, documents=None):
-        attention = self.self_attn(self.input_layernorm(x), positions, valid, cache, documents)
+    def _attention_and_mlp(self, x, positions, valid, cache, documents=None, rows=None, row_index=None):
+        attention = self.self_attn(self.input_layernorm(x), positions, valid, cache, documents, rows, row_index)
         return attention, self.mlp(self.post_attention_layernorm(x + attention))
 
     def forward(self, x, positions, valid, cache=None, carried_bias=None, rule="threshold", routes_one=False,
@@ -270,6 +295,22 @@ class XModDecoderLayer(nn.Module):
                                      keep.to(x.dtype))
         update = gate.unsqueeze(-1) * delta
         return x.scatter_add(1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]), update), bias
+
+    def forward_rows(self, x, positions, valid, cache, carried_bias, selected, rows: list[int], row_index):
+        """A decode step (one new token a sequence) that routes the tokens of the sequences ``rows``
+        only (ascending; ``row_index`` the same on the device, ``selected`` ``[b, 1]`` as a mask):
+        attention and MLP run for those sequences alone, and the cache appends for them alone.
+        Returns (x, token-choice bias after this layer)."""
+        cfg = self.config
+        routed = x.index_select(0, row_index)
+        carried = None if carried_bias is None else carried_bias.index_select(0, row_index)
+        scores = adjusted_logits(self.router(routed).squeeze(-1).float(), carried, cfg.token_choice_bias_tau)
+        attention, mlp = self._attention_and_mlp(routed, positions.index_select(0, row_index),
+                                                 valid.index_select(0, row_index), cache, rows=rows, row_index=row_index)
+        delta, gate = gated_residual(cfg.routing_family, attention, mlp, torch.sigmoid(scores).to(x.dtype),
+                                     getattr(self, "gate_scale", None))
+        x = x.index_add(0, row_index, gate.unsqueeze(-1) * delta)
+        return x, update_token_choice_bias(carried_bias, selected, cfg.token_choice_bias_increment)
 
 
 class XModPreTrainedModel(PreTrainedModel):
@@ -400,29 +441,39 @@ class XModModel(XModPreTrainedModel):
         A layer that routes none of the new tokens leaves x and the token-choice bias as they were, so
         the router scores of every remaining layer of the run, up to the first one that routes a token,
         are those of the same x: one matmul scores them all and one device read (the only host sync of
-        a run without routed tokens) finds that first layer; the layers before it run nothing, not even
-        their routers. The decision stays the layer's own: the matmul's scores may differ from the
-        layer's router in the last bits (another summation order), so a layer is skipped only when its
-        score is below 0 by more than a bound on that difference, and a layer whose score is that close
-        to 0 runs its own routing with the usual read of how many tokens it took."""
+        a run without routed tokens) finds that first layer and which sequences it routes; the layers
+        before it run nothing, not even their routers, and that layer runs attention and MLP for those
+        sequences only. The decision stays the layer's own: the matmul's scores may differ from the
+        layer's router in the last bits (another summation order), so a token is taken as routed or
+        not only when its score is beyond 0 by more than a bound on that difference; when a token is
+        that close to 0 the layer runs its own routing for the whole batch."""
         end = self._sparse_run_end[start]
         weight, weight_abs, router_bias = self._router_stacks(start, end)
         tau, bias, i = self.config.token_choice_bias_tau, None, start  # bias [b, 1]: None until a layer routes
+        b = x.shape[0]
         while i < end:
             x32 = x[:, 0].float()  # [b, h]
             logits = F.linear(x32, weight[i - start:], router_bias[i - start:])  # [b, layers left]
             scores = logits if bias is None or tau == 0 else logits - tau * bias
             bound = F.linear(x32.abs(), weight_abs[i - start:], router_bias[i - start:].abs())
             margin = (2 * x.shape[-1] * 2.0 ** -24) * bound + 4 * torch.finfo(x.dtype).eps * (logits.abs() + scores.abs())
-            maybe = ((scores >= -margin) & valid).any(0)  # [layers left]: may route a token of the batch
-            sure = ((scores >= margin) & valid).any(0)
-            first = torch.cat([maybe, maybe.new_ones(1)]).int().argmax().view(1)  # the first layer that may route, or past the end
-            certain = torch.cat([sure, sure.new_zeros(1)]).gather(0, first)
-            first, certain = torch.cat([first, certain.long()]).tolist()
+            maybe = F.pad((scores >= -margin) & valid, (0, 1))  # [b, layers left + 1]: may route; a last empty column
+            sure = F.pad((scores >= margin) & valid, (0, 1))
+            first = torch.cat([maybe.any(0)[:-1], maybe.new_ones(1)]).int().argmax().view(1)  # the first that may route
+            at_first = torch.stack([maybe.index_select(1, first), sure.index_select(1, first)]).view(2, b)
+            read = torch.cat([first, at_first.sum(1), at_first[1]]).tolist()  # the one device read
+            first, n_maybe, n_sure, routed = read[0], read[1], read[2], read[3:]
             if i + first >= end:
                 break
             i += first
-            x, bias = self.layers[i](x, positions, valid, cache, bias, "threshold", routes_one=bool(certain))
+            layer = self.layers[i]
+            if n_sure == n_maybe and n_sure < b:  # every decision certain, some sequences routed: those alone
+                rows = [r for r in range(b) if routed[r]]
+                selected = at_first[1].unsqueeze(1)
+                row_index = torch.topk(selected.view(-1).int(), len(rows)).indices.sort().values
+                x, bias = layer.forward_rows(x, positions, valid, cache, bias, selected, rows, row_index)
+            else:
+                x, bias = layer(x, positions, valid, cache, bias, "threshold", routes_one=n_sure > 0)
             i += 1
         return end, x, bias
 
