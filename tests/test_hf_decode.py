@@ -17,7 +17,6 @@ from hf_helpers import left_padded  # noqa: E402
 from sync_counter import SyncCounter  # noqa: E402
 
 from megatron_xmod.hf.cache import XModCache  # noqa: E402
-from megatron_xmod.hf.modeling_xmod import XModDecoderLayer  # noqa: E402
 
 VOCAB, PAD = 96, 95
 LAYOUT = "D + (S4*6 + D)*2"  # two runs of six sparse layers
@@ -149,7 +148,7 @@ def _left_padded_generation(model, prompts, steps):
     return out.sequences, torch.stack(out.logits, 1), out.past_key_values, [layer.used for layer in prefilled.layers]
 
 
-def test_batched_decode_runs_and_caches_the_routing_sequences_only(monkeypatch):
+def test_batched_decode_runs_and_caches_the_routing_sequences_only():
     """A decode step runs a sparse layer's attention and MLP for the sequences of the batch that route
     their token there, and appends cache entries for those alone: each sequence's cache holds exactly
     what it holds decoded alone, and a layer's columns grow by the most any one sequence routed, not
@@ -157,10 +156,13 @@ def test_batched_decode_runs_and_caches_the_routing_sequences_only(monkeypatch):
     model = routed_model()
     prompts = [prompt(1, 9, seed=5)[0], prompt(1, 4, seed=6)[0], prompt(1, 6, seed=7)[0], prompt(1, 7, seed=8)[0]]
     steps = 10
-    subsets, forward_rows = [], XModDecoderLayer.forward_rows
-    monkeypatch.setattr(XModDecoderLayer, "forward_rows",
-                        lambda self, *args: (subsets.append(len(args[6])), forward_rows(self, *args))[1])
+    subsets = []  # how many sequences of the batch each decode step's layer ran for
+    hooks = [layer.register_forward_pre_hook(
+        lambda module, args, kwargs: subsets.append(len(kwargs["routed"][1] or args[0])) if kwargs.get("routed") else None,
+        with_kwargs=True) for layer in model.model.layers if layer.sparse]
     tokens, logits, cache, prefill_width = _left_padded_generation(model, prompts, steps)
+    for hook in hooks:
+        hook.remove()
     assert subsets and max(subsets) < len(prompts), subsets  # layers ran for a part of the batch
     width = tokens.shape[1] - steps
     decoded_per_row = []

@@ -90,12 +90,19 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
-def apply_rotary(x: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """``x`` ``[b, s, heads, d]``, ``freqs`` ``[b, s, rot_dim]``; the dimensions past rot_dim pass unchanged."""
-    rot_dim = freqs.shape[-1]
-    freqs = freqs.unsqueeze(2)
+def rotary_tables(config: XModHFConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the RoPE angles at ``positions`` ``[b, s]``: ``[b, s, rot_dim]`` each, in ``dtype``. The
+    model computes them once a pass; each layer picks its tokens' rows."""
+    freqs = rotary_frequencies(config, positions)
+    return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``x`` ``[b, s, heads, d]``, ``cos`` / ``sin`` ``[b, s, rot_dim]``; the dimensions past rot_dim pass unchanged."""
+    rot_dim = cos.shape[-1]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     x, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    x = x * torch.cos(freqs).to(x.dtype) + _rotate_half(x, interleaved) * torch.sin(freqs).to(x.dtype)
+    x = x * cos + _rotate_half(x, interleaved) * sin
     return torch.cat((x, x_pass), dim=-1)
 
 
@@ -115,21 +122,23 @@ class XModAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                 cache: Optional[XModCache] = None, documents: Optional[torch.Tensor] = None,
-                rows: Optional[list[int]] = None, row_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+                rows: Optional[list[int]] = None, row_index: Optional[torch.Tensor] = None,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """``x`` ``[b, m, h]``: the tokens this layer processes, in order; ``valid`` ``[b, m]``: which of
         them other tokens may attend to (not padding). Each token attends causally to the valid
         tokens of this layer before it (cached ones included) and to itself; with ``documents``
         ``[b, m]`` (packed inputs, no cache: :func:`packed_documents`) only to those of its own document.
-        ``rows`` / ``row_index``: the batch rows of the cache that ``x`` belongs to (None: all)."""
+        ``rows`` / ``row_index``: the batch rows of the cache that ``x`` belongs to (None: all); ``rope``:
+        :func:`rotary_tables` at ``positions`` (None: computed here)."""
         b, m, _ = x.shape
         q = self.q_proj(x).view(b, m, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, m, self.groups, self.head_dim)
         v = self.v_proj(x).view(b, m, self.groups, self.head_dim)
         if self.config.qk_layernorm:
             q, k = self.q_norm(q), self.k_norm(k)
-        freqs = rotary_frequencies(self.config, positions)
-        q = apply_rotary(q, freqs, self.config.rotary_interleaved)
-        k = apply_rotary(k, freqs, self.config.rotary_interleaved)
+        cos, sin = rope if rope is not None else rotary_tables(self.config, positions, x.dtype)
+        q = apply_rotary(q, cos, sin, self.config.rotary_interleaved)
+        k = apply_rotary(k, cos, sin, self.config.rotary_interleaved)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, m, d]
         if cache is not None:
             k, v, key_valid, new_columns = cache.update(k, v, self.layer_idx, valid, positions, rows, row_index)
@@ -254,20 +263,23 @@ class XModDecoderLayer(nn.Module):
             if config.routing_family == "xmod":
                 self.gate_scale = nn.Parameter(torch.ones(1))
 
-    def _attention_and_mlp(self, x, positions, valid, cache, documents=None, rows=None, row_index=None):
-        attention = self.self_attn(self.input_layernorm(x), positions, valid, cache, documents, rows, row_index)
+    def _attention_and_mlp(self, x, positions, valid, cache, documents=None, rows=None, row_index=None, rope=None):
+        attention = self.self_attn(self.input_layernorm(x), positions, valid, cache, documents, rows, row_index, rope)
         return attention, self.mlp(self.post_attention_layernorm(x + attention))
 
     def forward(self, x, positions, valid, cache=None, carried_bias=None, rule="threshold", routes_one=False,
-                documents=None):
+                documents=None, rope=None, routed=None):
         """Returns (x, token-choice bias after this layer or None for a dense layer). ``documents``:
         the document of each token of a packed input (attention stays inside it).
 
         ``routes_one``: a decode step (one new token per sequence) known to route at least one of them
         here (:meth:`XModModel._decode_sparse_run`): the batch takes the static one-entry shape
-        without reading the selection back from the device."""
+        without reading the selection back from the device. ``routed``: ``(selected, rows, row_index)`` of a
+        decode step whose routing the model decided already (:meth:`_forward_routed`)."""
+        if routed is not None:
+            return self._forward_routed(x, positions, valid, cache, carried_bias, rope, *routed)
         if not self.sparse:
-            attention, mlp = self._attention_and_mlp(x, positions, valid, cache, documents)
+            attention, mlp = self._attention_and_mlp(x, positions, valid, cache, documents, rope=rope)
             return x + attention + mlp, None
         cfg = self.config
         logits = self.router(x).squeeze(-1).float()  # [b, n]
@@ -286,9 +298,13 @@ class XModDecoderLayer(nn.Module):
         indices = indices.t()  # [b, k]
         keep = torch.ones_like(indices, dtype=torch.bool) if keep is None else keep.t()
         routed = torch.gather(x, 1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        if rope is not None:
+            rows_of = indices.unsqueeze(-1).expand(-1, -1, rope[0].shape[-1])
+            rope = (torch.gather(rope[0], 1, rows_of), torch.gather(rope[1], 1, rows_of))
         attention, mlp = self._attention_and_mlp(routed, torch.gather(positions, 1, indices),
                                                  keep & torch.gather(valid, 1, indices), cache,
-                                                 None if documents is None else torch.gather(documents, 1, indices))
+                                                 None if documents is None else torch.gather(documents, 1, indices),
+                                                 rope=rope)
         r = torch.sigmoid(torch.gather(decision.scores.t(), 1, indices)).to(x.dtype)
         # Eq.(7) x + varsigma * r * (a + f), or Eq.(6) x + a + r * f (MoD)
         delta, gate = gated_residual(cfg.routing_family, attention, mlp, r, getattr(self, "gate_scale", None),
@@ -296,20 +312,22 @@ class XModDecoderLayer(nn.Module):
         update = gate.unsqueeze(-1) * delta
         return x.scatter_add(1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]), update), bias
 
-    def forward_rows(self, x, positions, valid, cache, carried_bias, selected, rows: list[int], row_index):
-        """A decode step (one new token a sequence) that routes the tokens of the sequences ``rows``
-        only (ascending; ``row_index`` the same on the device, ``selected`` ``[b, 1]`` as a mask):
-        attention and MLP run for those sequences alone, and the cache appends for them alone.
+    def _forward_routed(self, x, positions, valid, cache, carried_bias, rope, selected, rows=None, row_index=None):
+        """A decode step (one new token a sequence) whose routing is known: ``selected`` ``[b, 1]``, the
+        sequences ``rows`` (ascending; ``row_index`` the same on the device; None: all of them).
+        Attention and MLP run for those sequences alone, and the cache appends for them alone.
         Returns (x, token-choice bias after this layer)."""
         cfg = self.config
-        routed = x.index_select(0, row_index)
-        carried = None if carried_bias is None else carried_bias.index_select(0, row_index)
+        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, row_index))
+        routed = pick(x)
+        carried = None if carried_bias is None else pick(carried_bias)
         scores = adjusted_logits(self.router(routed).squeeze(-1).float(), carried, cfg.token_choice_bias_tau)
-        attention, mlp = self._attention_and_mlp(routed, positions.index_select(0, row_index),
-                                                 valid.index_select(0, row_index), cache, rows=rows, row_index=row_index)
+        attention, mlp = self._attention_and_mlp(routed, pick(positions), pick(valid), cache, rows=rows,
+                                                 row_index=row_index, rope=tuple(pick(t) for t in rope))
         delta, gate = gated_residual(cfg.routing_family, attention, mlp, torch.sigmoid(scores).to(x.dtype),
                                      getattr(self, "gate_scale", None))
-        x = x.index_add(0, row_index, gate.unsqueeze(-1) * delta)
+        update = gate.unsqueeze(-1) * delta
+        x = x + update if rows is None else x.index_add(0, row_index, update)
         return x, update_token_choice_bias(carried_bias, selected, cfg.token_choice_bias_increment)
 
 
@@ -410,15 +428,16 @@ class XModModel(XModPreTrainedModel):
             if documents is not None:  # several documents in a row: scored one by one, nothing to decode from
                 cache, documents = None, documents.expand(b, n)
         position_ids = position_ids.expand(b, n)
+        rope = rotary_tables(cfg, position_ids, x.dtype)
         decoding = self.decode_skips_unrouted and cache is not None and n == 1 and rule == "threshold"
         bias = None  # token-choice bias of this pass's tokens, from the sparse layer just run
         i = 0
         while i < len(self.layers):
             if decoding and self.layers[i].sparse:
-                i, x, bias = self._decode_sparse_run(i, x, position_ids, valid, cache)
+                i, x, bias = self._decode_sparse_run(i, x, position_ids, valid, cache, rope)
                 continue
             x, bias = self.layers[i](x, position_ids, valid, cache, bias if cfg.carries_bias(i) else None, rule,
-                                     documents=documents)
+                                     documents=documents, rope=rope)
             i += 1
         if cache is not None:
             cache.advance(n)
@@ -435,53 +454,61 @@ class XModModel(XModPreTrainedModel):
                 runs.append((i, end))
         return runs
 
-    def _decode_sparse_run(self, start: int, x, positions, valid, cache):
+    def _decode_sparse_run(self, start: int, x, positions, valid, cache, rope):
         """One decode step through the sparse layers ``start`` .. end of its run; returns (end, x, bias).
 
         A layer that routes none of the new tokens leaves x and the token-choice bias as they were, so
         the router scores of every remaining layer of the run, up to the first one that routes a token,
         are those of the same x: one matmul scores them all and one device read (the only host sync of
-        a run without routed tokens) finds that first layer and which sequences it routes; the layers
-        before it run nothing, not even their routers, and that layer runs attention and MLP for those
-        sequences only. The decision stays the layer's own: the matmul's scores may differ from the
-        layer's router in the last bits (another summation order), so a token is taken as routed or
-        not only when its score is beyond 0 by more than a bound on that difference; when a token is
-        that close to 0 the layer runs its own routing for the whole batch."""
+        a run without routed tokens) tells the host, for each sequence and layer left, routed / not /
+        too close to call; the layers before the first that may route run nothing, not even their
+        routers, and that layer runs attention and MLP for the sequences it routes only. The decision
+        stays the layer's own: the matmul's scores may differ from the layer's router in the last bits
+        (another summation order), so a token counts as routed or not only when its score is beyond 0
+        by more than a bound on that difference; when one is that close to 0 the layer runs its own
+        routing for the whole batch."""
         end = self._sparse_run_end[start]
-        weight, weight_abs, router_bias = self._router_stacks(start, end)
+        weight, weight_abs, router_bias, router_bias_abs = self._router_stacks(start, end)
         tau, bias, i = self.config.token_choice_bias_tau, None, start  # bias [b, 1]: None until a layer routes
-        b = x.shape[0]
+        b, h = x.shape[0], x.shape[-1]
+        eps = 4 * torch.finfo(x.dtype).eps
+        # |logits| <= bound and 0 <= bias: a margin on the matmul's rounding and on the layer's (its dtype's)
+        rounding = 2 * h * 2.0 ** -24 + 2 * eps
         while i < end:
             x32 = x[:, 0].float()  # [b, h]
             logits = F.linear(x32, weight[i - start:], router_bias[i - start:])  # [b, layers left]
-            scores = logits if bias is None or tau == 0 else logits - tau * bias
-            bound = F.linear(x32.abs(), weight_abs[i - start:], router_bias[i - start:].abs())
-            margin = (2 * x.shape[-1] * 2.0 ** -24) * bound + 4 * torch.finfo(x.dtype).eps * (logits.abs() + scores.abs())
-            maybe = F.pad((scores >= -margin) & valid, (0, 1))  # [b, layers left + 1]: may route; a last empty column
-            sure = F.pad((scores >= margin) & valid, (0, 1))
-            first = torch.cat([maybe.any(0)[:-1], maybe.new_ones(1)]).int().argmax().view(1)  # the first that may route
-            at_first = torch.stack([maybe.index_select(1, first), sure.index_select(1, first)]).view(2, b)
-            read = torch.cat([first, at_first.sum(1), at_first[1]]).tolist()  # the one device read
-            first, n_maybe, n_sure, routed = read[0], read[1], read[2], read[3:]
-            if i + first >= end:
+            bound = F.linear(x32.abs(), weight_abs[i - start:], router_bias_abs[i - start:])
+            margin = rounding * bound
+            if bias is not None and tau != 0:
+                logits, margin = logits - tau * bias, margin + (eps * tau) * bias
+            # 2: routed, 1: too close to call, 0: not routed (or padding)
+            state = ((logits >= -margin).to(torch.int8) + (logits >= margin)) * valid
+            states = state.tolist()  # the one device read
+            columns = [max(column) for column in zip(*states)]
+            first = next((j for j, top in enumerate(columns) if top > 0), None)
+            if first is None:
                 break
             i += first
             layer = self.layers[i]
-            if n_sure == n_maybe and n_sure < b:  # every decision certain, some sequences routed: those alone
-                rows = [r for r in range(b) if routed[r]]
-                selected = at_first[1].unsqueeze(1)
-                row_index = torch.topk(selected.view(-1).int(), len(rows)).indices.sort().values
-                x, bias = layer.forward_rows(x, positions, valid, cache, bias, selected, rows, row_index)
+            column = [row[first] for row in states]
+            if 1 in column:  # a score within rounding of 0: the layer's own routing decides
+                x, bias = layer(x, positions, valid, cache, bias, "threshold", routes_one=2 in column, rope=rope)
             else:
-                x, bias = layer(x, positions, valid, cache, bias, "threshold", routes_one=n_sure > 0)
+                selected = state[:, first:first + 1] == 2
+                rows = [r for r in range(b) if column[r] == 2]
+                if len(rows) == b:
+                    routed = (selected, None, None)
+                else:
+                    routed = (selected, rows, torch.topk(state[:, first], len(rows)).indices.sort().values)
+                x, bias = layer(x, positions, valid, cache, bias, rope=rope, routed=routed)
             i += 1
         return end, x, bias
 
     def _router_stacks(self, start: int, end: int):
-        """The routers of layers start..end as one fp32 [layers, h] weight, its absolute value and the biases."""
+        """The routers of layers start..end as one fp32 [layers, h] weight and [layers] bias, and their absolute values."""
         weight = torch.cat([self.layers[i].router.weight for i in range(start, end)]).float()
         router_bias = torch.cat([self.layers[i].router.bias for i in range(start, end)]).float()
-        return weight, weight.abs(), router_bias
+        return weight, weight.abs(), router_bias, router_bias.abs()
 
 
 class XModForCausalLM(XModPreTrainedModel, GenerationMixin):
