@@ -4,6 +4,8 @@ A4K8 / A3K16 at the same activated depth, with the KV-cache bytes and the host s
     .venv/bin/python bench/generate.py                       # CPU: hidden 512, prompts 256 and 2048, batch 1 and 8
     .venv/bin/python bench/generate.py --device cuda         # the same on a GPU
     .venv/bin/python bench/generate.py --quick               # seconds: hidden 64, prompt 32, 8 new tokens
+    .venv/bin/python bench/generate.py --prompts --long-contexts 2048 8192 32768 --new-tokens 16 --repeats 1 \
+        --tag _long                                          # decode only, from synthetic caches of long contexts
 
 The models are built from the X-MoD paper's Table 4 shape at ``--hidden`` (activated depth 28, dense
 prefix 4: Dense 28 layers, MoD 49, X-MoD A4K8 161, A3K16 298) with random weights, and each sparse
@@ -135,20 +137,25 @@ def syncs_per_token(model, prompt, steps: int) -> float:
     return counter.count / steps
 
 
-def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device, log=print, after_each=None,
-            per_layer_decode=False):
-    """Rows of every (batch, prompt, model); ``after_each(rows)`` after each (batch, prompt), so that a run
-    cut off keeps what finished."""
-    vocab = 50304
+def build_models(models, hidden, max_positions, calibration_length, device, log=print, vocab=50304):
+    """{name: (model, routed fraction per sparse layer after calibration)}."""
     built = {}
     for name in models:
-        model = build_model(name, hidden, vocab, max(prompt_lengths) + new_tokens + 8, device=device)
-        calibration = torch.randint(0, vocab, (2, min(512, max(prompt_lengths))),
-                                    generator=torch.Generator().manual_seed(1)).to(device)
+        model = build_model(name, hidden, vocab, max_positions, device=device)
+        calibration = torch.randint(0, vocab, (2, calibration_length), generator=torch.Generator().manual_seed(1)).to(device)
         fractions = calibrate_routers(model, calibration)
         built[name] = (model, fractions)
         log(f"[generate] built {name}: {model.config.num_hidden_layers} layers"
             + (f", routed fraction after calibration {statistics.mean(fractions):.3f}" if fractions else ""))
+    return built
+
+
+def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=print, after_each=None,
+            per_layer_decode=False):
+    """Rows of every (batch, prompt, model); ``after_each(rows)`` after each (batch, prompt), so that a run
+    cut off keeps what finished."""
+    models = list(built)
+    vocab = built[models[0]][0].config.vocab_size
     rows = []
     for batch in batches:
         for length in prompt_lengths:
@@ -196,12 +203,71 @@ def measure(models, prompt_lengths, batches, new_tokens, repeats, hidden, device
     return rows
 
 
+@torch.no_grad()
+def synthetic_cache(model, batch: int, context: int, seed: int = 0):
+    """An ``XModCache`` as after a ``context``-token prompt without running it: every dense layer holds
+    ``context`` entries a sequence, every sparse layer ``context / K`` (its expected share under the
+    calibrated routers), random keys and values. Decode time depends on how many entries a layer
+    attends to, not on what they hold, so this measures decode at contexts whose prefill would take
+    this machine an hour."""
+    from megatron_xmod.hf.cache import XModCache
+
+    cfg = model.config
+    device, dtype = model.device, model.dtype
+    cache = XModCache(cfg)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for layer_idx, layer in enumerate(cache.layers):
+        entries = context if not layer.sparse else max(1, round(context / cfg.layer_sparsity_k[layer_idx]))
+        shape = (batch, cfg.num_key_value_heads, entries, cfg.head_dim)
+        keys = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+        values = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+        positions = torch.linspace(0, context - 1, entries, device=device).long().expand(batch, entries)
+        layer.update(keys, values, positions=positions)
+    cache.advance(context)
+    return cache
+
+
+def measure_long_context(built, contexts, batches, new_tokens, device, log=print, after_each=None):
+    """Decode rows from :func:`synthetic_cache` (no prefill) at each context and batch, models interleaved
+    once; ``routed_fraction`` here is the sparse layers' entries appended per token and sequence over 1/K."""
+    rows = []
+    vocab = next(iter(built.values()))[0].config.vocab_size
+    for batch in batches:
+        for context in contexts:
+            token = torch.randint(0, vocab, (batch, 1), generator=torch.Generator().manual_seed(3)).to(device)
+            for name, (model, _) in built.items():
+                cache = synthetic_cache(model, batch, context)
+                before = cache.entries()
+                decode(model, token, cache, 2)  # warm-up: first calls at this size allocate
+                seconds, _ = time_decode(model, token, cache, new_tokens, device)
+                cfg = model.config
+                sparse = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse(i)]
+                routed = [(cache.entries()[i] - before[i]) * cfg.layer_sparsity_k[i] for i in sparse]
+                row = dict(model=name, layers=cfg.num_hidden_layers, batch=batch, prompt=context, synthetic_context=True,
+                           new_tokens=new_tokens, decode_tok_s=batch * new_tokens / seconds,
+                           kv_cache_bytes=cache.nbytes()["total"],
+                           kv_cache_allocated_bytes=cache.nbytes(allocated=True)["total"],
+                           routed_fraction=sum(routed) / (len(sparse) * batch * (new_tokens + 2)) if sparse else 1.0)
+                rows.append(row)
+                log(f"[generate] batch {batch} context {context} (synthetic) {name}: decode {row['decode_tok_s']:.1f} "
+                    f"tok/s, routed {row['routed_fraction']:.2f} of 1/K")
+                del cache
+            compare_with_dense(rows)
+            if after_each is not None:
+                after_each(rows)
+    return rows
+
+
 def compare_with_dense(rows) -> None:
-    dense = {(r["batch"], r["prompt"]): r for r in rows if r["model"] == "dense"}
+    def key(r):
+        return r["batch"], r["prompt"], r.get("synthetic_context", False)
+
+    dense = {key(r): r for r in rows if r["model"] == "dense"}
     for r in rows:
-        d = dense.get((r["batch"], r["prompt"]))
-        if d is not None:
+        d = dense.get(key(r))
+        if d is not None and "prefill_tok_s" in r:
             r["prefill_vs_dense"] = r["prefill_tok_s"] / d["prefill_tok_s"]
+        if d is not None:
             r["decode_vs_dense"] = r["decode_tok_s"] / d["decode_tok_s"]
             if "decode_tok_s_before" in r:
                 r["decode_before_vs_dense"] = r["decode_tok_s_before"] / d["decode_tok_s"]
@@ -219,10 +285,12 @@ def render_markdown(meta, rows) -> str:
     for r in rows:
         before = (f"{r['decode_tok_s_before']:.1f} | {r['decode_before_vs_dense']:.2f}" if "decode_tok_s_before" in r
                   else "- | -")
-        syncs = f"{r['syncs_per_token']:.1f}" + (f" ({r['syncs_per_token_before']:.1f})" if "syncs_per_token_before" in r
+        syncs = (f"{r['syncs_per_token']:.1f}" if "syncs_per_token" in r else "-") + (f" ({r['syncs_per_token_before']:.1f})" if "syncs_per_token_before" in r
                                                  else "")
-        out.append(f"| {r['batch']} | {r['prompt']} | {r['model']} | {r['layers']} | {r['prefill_tok_s']:.0f} | "
-                   f"{r.get('prefill_vs_dense', 1):.2f} | {r['decode_tok_s']:.1f} | {r.get('decode_vs_dense', 1):.2f} | "
+        prefill = (f"{r['prefill_tok_s']:.0f} | {r.get('prefill_vs_dense', 1):.2f}" if "prefill_tok_s" in r
+                   else "- (synthetic context) | -")
+        out.append(f"| {r['batch']} | {r['prompt']} | {r['model']} | {r['layers']} | {prefill} | "
+                   f"{r['decode_tok_s']:.1f} | {r.get('decode_vs_dense', 1):.2f} | "
                    f"{before} | {syncs} | {r['kv_cache_bytes'] / 1024:.0f} "
                    f"({r.get('kv_cache_allocated_bytes', r['kv_cache_bytes']) / 1024:.0f}) |")
     return "\n".join(out) + "\n"
@@ -237,10 +305,15 @@ def plot(rows, path):
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
     for ax, batch in zip(axes[0], batches):
-        for name in dict.fromkeys(r["model"] for r in rows):
-            pts = sorted((r["prompt"], r["decode_tok_s"]) for r in rows if r["model"] == name and r["batch"] == batch)
-            ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=name)
+        for k, name in enumerate(dict.fromkeys(r["model"] for r in rows)):
+            for synthetic in (False, True):
+                pts = sorted((r["prompt"], r["decode_tok_s"]) for r in rows if r["model"] == name and r["batch"] == batch
+                             and r.get("synthetic_context", False) == synthetic)
+                if pts:
+                    ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", color=f"C{k}",
+                            linestyle="--" if synthetic else "-", label=name + (" (synthetic context)" if synthetic else ""))
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("decode tokens/s")
         ax.set_title(f"batch {batch}")
@@ -255,13 +328,16 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--prompts", type=int, nargs="+", default=[256, 2048])
+    p.add_argument("--prompts", type=int, nargs="*", default=[256, 2048])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="hidden 64, prompt 32, batch 1 and 2, 8 new tokens, 1 repeat")
     p.add_argument("--per-layer-decode", action="store_true",
                    help="also decode with every sparse layer's own routing at every step (the path before the run-ahead)")
+    p.add_argument("--long-contexts", type=int, nargs="*", default=[],
+                   help="also decode from a synthetic cache of this many tokens (no prefill; see synthetic_cache)")
+    p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = p.parse_args(argv)
     if args.quick:
@@ -270,7 +346,7 @@ def main(argv=None):
     loadavg_start = loadavg()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"generate_{device.type}_{datetime.date.today().strftime('%Y%m%d')}" + ("_quick" if args.quick else "")
+    stem = f"generate_{device.type}_{datetime.date.today().strftime('%Y%m%d')}" + ("_quick" if args.quick else "") + args.tag
 
     def write(rows):
         meta = dict(date=datetime.date.today().isoformat(), machine=machine_name(device), commit=git_commit(),
@@ -281,8 +357,13 @@ def main(argv=None):
         plot(rows, out / f"{stem}.png")
         return meta
 
-    rows = measure(args.models, args.prompts, args.batches, args.new_tokens, args.repeats, args.hidden, device,
-                   after_each=write, per_layer_decode=args.per_layer_decode)
+    longest = max(args.prompts + args.long_contexts) + args.new_tokens + 8
+    built = build_models(args.models, args.hidden, longest, min(512, max(args.prompts, default=512)), device)
+    rows = measure(built, args.prompts, args.batches, args.new_tokens, args.repeats, device, after_each=write,
+                   per_layer_decode=args.per_layer_decode)
+    if args.long_contexts:
+        rows += measure_long_context(built, args.long_contexts, args.batches, args.new_tokens, device,
+                                     after_each=lambda long_rows: write(rows + long_rows))
     print(render_markdown(write(rows), rows))
     return rows
 

@@ -199,3 +199,35 @@ def test_cache_appends_write_into_preallocated_buffers():
     assert dense.capacity > capacity and dense.used == capacity + 1
     assert torch.equal(dense.keys[:, :, :before.shape[2]], before)
     assert cache.nbytes(allocated=True)["total"] > cache.nbytes()["total"]
+
+
+def test_beam_search_with_the_cache_equals_beam_search_without():
+    """Beam search reorders the cache's sequences every step (``reorder_cache``), whose fills differ
+    once the beams route differently."""
+    model = routed_model()
+    start = prompt(length=10, seed=9)
+    kwargs = dict(num_beams=3, num_return_sequences=3, max_new_tokens=8, do_sample=False, pad_token_id=PAD,
+                  early_stopping=False)
+    with torch.no_grad():
+        cached_beams = model.generate(start, **kwargs)
+        recomputed_beams = model.generate(start, use_cache=False, **kwargs)
+    assert torch.equal(cached_beams, recomputed_beams)
+
+
+def test_synthetic_long_context_cache_holds_each_layers_share():
+    """bench/generate.py --long-contexts decodes from a cache built without a prefill: each dense layer
+    holds the whole context, each sparse layer context / K entries, and decoding from it appends as
+    from a real one."""
+    from generate import synthetic_cache
+
+    model = routed_model()
+    cfg = model.config
+    cache = synthetic_cache(model, batch=2, context=96)
+    assert cache.get_seq_length() == 96
+    want = [96 if not cfg.is_sparse(i) else 96 // cfg.layer_sparsity_k[i] for i in range(cfg.num_hidden_layers)]
+    assert cache.entries() == [2 * n for n in want]
+    token = prompt(batch=2, length=1)
+    decode(model, token, cache, 3)
+    grown = [a - 2 * n for a, n in zip(cache.entries(), want)]
+    assert all(g == 2 * 3 for g, sparse in zip(grown, map(cfg.is_sparse, range(len(want)))) if not sparse)
+    assert 0 < sum(g for i, g in enumerate(grown) if cfg.is_sparse(i)) < 2 * 3 * sum(map(cfg.is_sparse, range(len(want))))

@@ -60,8 +60,10 @@ class SparseKVLayer(CacheLayerMixin):
     def capacity(self) -> int:
         return 0 if self._buffers is None else self._buffers[0].shape[2]
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, dim = key_states.shape
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                            batch: Optional[int] = None) -> None:
+        _, heads, _, dim = key_states.shape
+        batch = key_states.shape[0] if batch is None else batch
         self.device = key_states.device
         self.fills = [0] * batch
         self._fill = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -88,9 +90,10 @@ class SparseKVLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: Optional[torch.Tensor] = None,
                positions: Optional[torch.Tensor] = None, rows: Optional[list[int]] = None,
-               row_index: Optional[torch.Tensor] = None, *args, **kwargs):
+               row_index: Optional[torch.Tensor] = None, batch: Optional[int] = None, *args, **kwargs):
         """Append ``new`` entries ``[n, kv_heads, new, head_dim]`` for the sequences ``rows`` (ascending batch
-        rows; ``row_index`` the same on the device; None: every sequence). Returns ``(keys, values,
+        rows; ``row_index`` the same on the device; None: every sequence) of a batch of ``batch``
+        sequences (needed when the first append is for some of them). Returns ``(keys, values,
         valid, new_columns)`` of those sequences over the columns any of them uses, ``new_columns``
         ``[n, new]`` the columns of the appended entries."""
         n, _, new, _ = key_states.shape
@@ -99,15 +102,18 @@ class SparseKVLayer(CacheLayerMixin):
         if positions is None:
             positions = torch.full((n, new), -1, dtype=torch.long, device=key_states.device)
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if rows is None:
+            if rows is not None and batch is None:
+                raise ValueError("batch: the first append for some sequences (rows) needs the batch size")
+            self.lazy_initialization(key_states, value_states, batch)
+        every = rows is None
+        if every:
             rows = list(range(len(self.fills)))
         starts = [self.fills[r] for r in rows]
         width = max(starts) + new
         self._reserve(width)
         keys, values, valid_buffer, position_buffer = self._buffers
         steps = torch.arange(new, device=keys.device)
-        if len(rows) == len(self.fills) and min(starts) == width - new:  # every sequence at the same column
+        if every and min(starts) == width - new:  # every sequence at the same column
             start = width - new
             keys[:, :, start:width] = key_states
             values[:, :, start:width] = value_states
@@ -116,8 +122,10 @@ class SparseKVLayer(CacheLayerMixin):
             self._fill += new
             new_columns = (start + steps).expand(n, new)
         else:
-            if row_index is None:
-                row_index = torch.tensor(rows, device=keys.device)
+            if every:
+                row_index = torch.arange(len(rows), device=keys.device)
+            elif row_index is None:
+                row_index = torch.tensor(rows, device=keys.device)  # a host-to-device copy: pass row_index
             index = row_index[:, None]
             new_columns = self._fill[row_index][:, None] + steps
             keys[index, :, new_columns] = key_states.transpose(1, 2)
@@ -128,7 +136,7 @@ class SparseKVLayer(CacheLayerMixin):
         for r in rows:
             self.fills[r] += new
         self._set_views()
-        if len(rows) == len(self.fills):
+        if every:
             return self.keys, self.values, self.valid, new_columns
         if rows[-1] - rows[0] == len(rows) - 1:  # consecutive sequences (one, typically): views, no copy
             picked = slice(rows[0], rows[-1] + 1)
@@ -207,10 +215,12 @@ class XModCache(Cache):
         sparse_layers = sparse_layers or [False] * num_layers
         super().__init__(layers=[SparseKVLayer(sparse=bool(s)) for s in sparse_layers])
         self.seen_tokens = 0
+        self.sequences: Optional[int] = None  # the batch size, set by the model each pass
 
     def update(self, key_states, value_states, layer_idx: int, valid=None, positions=None, rows=None, row_index=None,
                *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, valid, positions, rows, row_index)
+        return self.layers[layer_idx].update(key_states, value_states, valid, positions, rows, row_index,
+                                             self.sequences)
 
     def advance(self, num_tokens: int) -> None:
         """Called by the model after each forward pass over ``num_tokens`` new tokens."""

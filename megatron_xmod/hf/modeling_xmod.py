@@ -411,6 +411,8 @@ class XModModel(XModPreTrainedModel):
         elif not use_cache:
             cache = None
         past = cache.get_seq_length() if cache is not None else 0
+        if cache is not None:
+            cache.sequences = b
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError("attention_mask: a 2-D [batch, past + new tokens] padding mask is expected")
@@ -471,18 +473,19 @@ class XModModel(XModPreTrainedModel):
         weight, weight_abs, router_bias, router_bias_abs = self._router_stacks(start, end)
         tau, bias, i = self.config.token_choice_bias_tau, None, start  # bias [b, 1]: None until a layer routes
         b, h = x.shape[0], x.shape[-1]
-        eps = 4 * torch.finfo(x.dtype).eps
-        # |logits| <= bound and 0 <= bias: a margin on the matmul's rounding and on the layer's (its dtype's)
-        rounding = 2 * h * 2.0 ** -24 + 2 * eps
+        # The margin bounds the matmul's rounding (fp32) and the layer router's (in x's dtype) on
+        # |s - tau*b| <= bound + tau*b, with bound = |W||x| + |bias| >= |logits| and b >= 0.
+        layer_rounding = 4 * torch.finfo(x.dtype).eps
+        rounding = 2 * h * 2.0 ** -24 + 2 * layer_rounding
         while i < end:
             x32 = x[:, 0].float()  # [b, h]
-            logits = F.linear(x32, weight[i - start:], router_bias[i - start:])  # [b, layers left]
+            scores = F.linear(x32, weight[i - start:], router_bias[i - start:])  # [b, layers left]
             bound = F.linear(x32.abs(), weight_abs[i - start:], router_bias_abs[i - start:])
             margin = rounding * bound
             if bias is not None and tau != 0:
-                logits, margin = logits - tau * bias, margin + (eps * tau) * bias
+                scores, margin = scores - tau * bias, margin + (layer_rounding * tau) * bias
             # 2: routed, 1: too close to call, 0: not routed (or padding)
-            state = ((logits >= -margin).to(torch.int8) + (logits >= margin)) * valid
+            state = ((scores >= -margin).to(torch.int8) + (scores >= margin)) * valid
             states = state.tolist()  # the one device read
             columns = [max(column) for column in zip(*states)]
             first = next((j for j, top in enumerate(columns) if top > 0), None)
