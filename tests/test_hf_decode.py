@@ -137,22 +137,20 @@ def test_a_layer_whose_score_is_within_rounding_of_zero_takes_its_own_decision()
 
 
 def _left_padded_generation(model, prompts, steps):
-    """Greedy generation of a left-padded batch; returns (tokens, logits [b, steps, vocab], cache, prefill width
-    of each layer: the columns in use after the prompt)."""
+    """Greedy generation of a left-padded batch; returns (tokens, logits [b, steps, vocab], cache)."""
     batch, mask = left_padded(prompts, PAD)
     with torch.no_grad():
-        prefilled = XModCache(model.config)
-        model(batch, attention_mask=mask, cache=prefilled)
         out = model.generate(batch, attention_mask=mask, max_new_tokens=steps, do_sample=False, pad_token_id=PAD,
                              return_dict_in_generate=True, output_logits=True)
-    return out.sequences, torch.stack(out.logits, 1), out.past_key_values, [layer.used for layer in prefilled.layers]
+    return out.sequences, torch.stack(out.logits, 1), out.past_key_values
 
 
 def test_batched_decode_runs_and_caches_the_routing_sequences_only():
     """A decode step runs a sparse layer's attention and MLP for the sequences of the batch that route
     their token there, and appends cache entries for those alone: each sequence's cache holds exactly
-    what it holds decoded alone, and a layer's columns grow by the most any one sequence routed, not
-    by one for every step in which some sequence routed (the padded path before)."""
+    what it holds decoded alone, and its columns in use are those entries, with no padding (the prompt's
+    padded block keeps each sequence's valid entries first; decode steps append per sequence, not a
+    column for everyone whenever one sequence routes, the padded path before)."""
     model = routed_model()
     prompts = [prompt(1, 9, seed=5)[0], prompt(1, 4, seed=6)[0], prompt(1, 6, seed=7)[0], prompt(1, 7, seed=8)[0]]
     steps = 10
@@ -160,12 +158,11 @@ def test_batched_decode_runs_and_caches_the_routing_sequences_only():
     hooks = [layer.register_forward_pre_hook(
         lambda module, args, kwargs: subsets.append(len(kwargs["routed"][1] or args[0])) if kwargs.get("routed") else None,
         with_kwargs=True) for layer in model.model.layers if layer.sparse]
-    tokens, logits, cache, prefill_width = _left_padded_generation(model, prompts, steps)
+    tokens, logits, cache = _left_padded_generation(model, prompts, steps)
     for hook in hooks:
         hook.remove()
     assert subsets and max(subsets) < len(prompts), subsets  # layers ran for a part of the batch
     width = tokens.shape[1] - steps
-    decoded_per_row = []
     for row, p in enumerate(prompts):
         want_tokens, want_logits = recomputed(model, p[None], steps)
         assert torch.equal(tokens[row, width:], want_tokens[0, len(p):]), row
@@ -175,13 +172,9 @@ def test_batched_decode_runs_and_caches_the_routing_sequences_only():
             model(want_tokens[:, :-1], cache=alone)  # the cache decoding it alone ends with
         mine = [int(layer.valid[row].sum()) for layer in cache.layers]
         assert mine == alone.entries(), row
-        prompt_only = XModCache(model.config)
-        with torch.no_grad():
-            model(p[None], cache=prompt_only)
-        decoded_per_row.append([a - b for a, b in zip(alone.entries(), prompt_only.entries())])
-    for i, layer in enumerate(cache.layers):
-        if layer.sparse:  # the prompt's padded block, then each sequence at its own columns
-            assert layer.used == prefill_width[i] + max(row[i] for row in decoded_per_row), i
+        sparse = [i for i, layer in enumerate(cache.layers) if layer.sparse]
+        assert [cache.layers[i].fills[row] for i in sparse] == [mine[i] for i in sparse], row  # no padding in use
+        assert all(cache.layers[i].valid[row, :mine[i]].all() for i in sparse), row
 
 
 def test_cache_appends_write_into_preallocated_buffers():

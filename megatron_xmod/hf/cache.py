@@ -5,11 +5,13 @@ of those tokens: its cache layer grows by one entry per *routed* token (about 1/
 threshold rule), a dense layer's by one per token. Keys are stored after RoPE, i.e. at the token's
 original position, which is also kept (``positions``) for inspection.
 
-In a batch, sequences route different tokens. A pass over several tokens (a prefill) appends the
-same number of entries to every sequence (the most any sequence routed) and marks the surplus
-invalid (``valid``), the same padding the megatron layer uses for threshold routing; left padding
-enters as invalid entries too. A decode step appends only for the sequences that route their new
-token, each sequence at its own next column. Attention reads ``valid`` as its key mask.
+In a batch, sequences route different tokens. A pass over several tokens (a prefill) runs a sparse
+layer on the same number of tokens for every sequence (the most any sequence routed; the surplus is
+padding, ``valid`` False, the same padding the megatron layer uses for threshold routing); the cache
+keeps each sequence's valid entries first and the padding after them, past the sequence's fill, where
+its next entries overwrite it. A decode step appends only for the sequences that route their new
+token, each at its own next column. Left padding enters dense layers as invalid entries. Attention
+reads ``valid`` as its key mask.
 
 The token-choice bias (Eq.8 of the X-MoD paper) needs no cache: a token's bias in a layer depends
 only on its own decisions in the previous sparse layers of the block, all taken in the forward pass
@@ -90,13 +92,21 @@ class SparseKVLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: Optional[torch.Tensor] = None,
                positions: Optional[torch.Tensor] = None, rows: Optional[list[int]] = None,
-               row_index: Optional[torch.Tensor] = None, batch: Optional[int] = None, *args, **kwargs):
+               row_index: Optional[torch.Tensor] = None, batch: Optional[int] = None, several_tokens: bool = False,
+               *args, **kwargs):
         """Append ``new`` entries ``[n, kv_heads, new, head_dim]`` for the sequences ``rows`` (ascending batch
         rows; ``row_index`` the same on the device; None: every sequence) of a batch of ``batch``
-        sequences (needed when the first append is for some of them). Returns ``(keys, values,
+        sequences (needed when the first append is for some of them); ``several_tokens``: the pass runs
+        several tokens a sequence (a prefill), so padding is worth a read of the counts. Returns ``(keys, values,
         valid, new_columns)`` of those sequences over the columns any of them uses, ``new_columns``
         ``[n, new]`` the columns of the appended entries."""
         n, _, new, _ = key_states.shape
+        # A sparse layer's pass over several tokens of a batch pads each sequence to the busiest: its valid
+        # entries go first and the padding after them, past its fill, where its next entries overwrite it;
+        # decode steps then attend to valid entries only. One read of the counts (a prefill's).
+        compact = self.sparse and several_tokens and valid is not None and n > 1
+        counts = valid.sum(1).tolist() if compact else [new] * n
+        compact = compact and min(counts) < new
         if valid is None:
             valid = torch.ones(n, new, dtype=torch.bool, device=key_states.device)
         if positions is None:
@@ -113,7 +123,7 @@ class SparseKVLayer(CacheLayerMixin):
         self._reserve(width)
         keys, values, valid_buffer, position_buffer = self._buffers
         steps = torch.arange(new, device=keys.device)
-        if every and min(starts) == width - new:  # every sequence at the same column
+        if every and min(starts) == width - new and not compact:  # every sequence at the same column
             start = width - new
             keys[:, :, start:width] = key_states
             values[:, :, start:width] = value_states
@@ -127,17 +137,22 @@ class SparseKVLayer(CacheLayerMixin):
             elif row_index is None:
                 row_index = torch.tensor(rows, device=keys.device)  # a host-to-device copy: pass row_index
             index = row_index[:, None]
-            new_columns = self._fill[row_index][:, None] + steps
+            if compact:
+                added = valid.sum(1)
+                order = torch.where(valid, valid.cumsum(1), added[:, None] + (~valid).cumsum(1)) - 1
+            else:
+                added, order = torch.full_like(row_index, new), steps
+            new_columns = self._fill[row_index][:, None] + order
             keys[index, :, new_columns] = key_states.transpose(1, 2)
             values[index, :, new_columns] = value_states.transpose(1, 2)
             valid_buffer[index, new_columns] = valid
             position_buffer[index, new_columns] = positions
-            self._fill.index_add_(0, row_index, torch.full_like(row_index, new))
-        for r in rows:
-            self.fills[r] += new
+            self._fill.index_add_(0, row_index, added)
+        for r, count in zip(rows, counts):
+            self.fills[r] += count
         self._set_views()
         if every:
-            return self.keys, self.values, self.valid, new_columns
+            return keys[:, :, :width], values[:, :, :width], valid_buffer[:, :width], new_columns
         if rows[-1] - rows[0] == len(rows) - 1:  # consecutive sequences (one, typically): views, no copy
             picked = slice(rows[0], rows[-1] + 1)
             return keys[picked, :, :width], values[picked, :, :width], valid_buffer[picked, :width], new_columns
@@ -215,12 +230,17 @@ class XModCache(Cache):
         sparse_layers = sparse_layers or [False] * num_layers
         super().__init__(layers=[SparseKVLayer(sparse=bool(s)) for s in sparse_layers])
         self.seen_tokens = 0
-        self.sequences: Optional[int] = None  # the batch size, set by the model each pass
+        self.sequences: Optional[int] = None  # the batch size of the current pass (begin_pass)
+        self.pass_tokens = 0  # tokens a sequence of the current pass
 
     def update(self, key_states, value_states, layer_idx: int, valid=None, positions=None, rows=None, row_index=None,
                *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states, valid, positions, rows, row_index,
-                                             self.sequences)
+                                             self.sequences, self.pass_tokens > 1)
+
+    def begin_pass(self, sequences: int, tokens: int) -> None:
+        """Called by the model before a forward pass over ``tokens`` new tokens of ``sequences`` sequences."""
+        self.sequences, self.pass_tokens = sequences, tokens
 
     def advance(self, num_tokens: int) -> None:
         """Called by the model after each forward pass over ``num_tokens`` new tokens."""
