@@ -161,7 +161,7 @@ def test_batched_decode_runs_and_caches_the_routing_sequences_only():
     tokens, logits, cache = _left_padded_generation(model, prompts, steps)
     for hook in hooks:
         hook.remove()
-    assert subsets and max(subsets) < len(prompts), subsets  # layers ran for a part of the batch
+    assert subsets and min(subsets) < len(prompts), subsets  # layers ran for a part of the batch
     width = tokens.shape[1] - steps
     for row, p in enumerate(prompts):
         want_tokens, want_logits = recomputed(model, p[None], steps)
@@ -194,17 +194,49 @@ def test_cache_appends_write_into_preallocated_buffers():
     assert cache.nbytes(allocated=True)["total"] > cache.nbytes()["total"]
 
 
-def test_beam_search_with_the_cache_equals_beam_search_without():
+def test_beam_search_with_the_cache_equals_beam_search_without(monkeypatch):
     """Beam search reorders the cache's sequences every step (``reorder_cache``), whose fills differ
     once the beams route differently."""
     model = routed_model()
     start = prompt(length=10, seed=9)
     kwargs = dict(num_beams=3, num_return_sequences=3, max_new_tokens=8, do_sample=False, pad_token_id=PAD,
                   early_stopping=False)
+    reorders, select = [], XModCache.batch_select_indices
+
+    def recording(cache, indices):
+        uneven = any(len(set(layer.fills)) > 1 for layer in cache.layers if layer.sparse)
+        reorders.append(uneven and indices.tolist() != sorted(indices.tolist()))
+        select(cache, indices)
+
+    monkeypatch.setattr(XModCache, "batch_select_indices", recording)
     with torch.no_grad():
         cached_beams = model.generate(start, **kwargs)
         recomputed_beams = model.generate(start, use_cache=False, **kwargs)
+    assert any(reorders), reorders  # beams were reordered while their caches differed
     assert torch.equal(cached_beams, recomputed_beams)
+
+
+def test_batched_decode_reads_the_device_once_per_routing_event_only():
+    """The only host syncs of a batched decode step are the run-ahead's reads: one per run of sparse
+    layers plus one per layer that routes a token of the batch (none in the cache, the attention, the
+    choice of rows)."""
+    model = routed_model()
+    batch, mask = left_padded([prompt(1, 9, seed=5)[0], prompt(1, 4, seed=6)[0], prompt(1, 6, seed=7)[0]], PAD)
+    calls = []
+    hooks = [layer.register_forward_pre_hook(lambda *_: calls.append(1)) for layer in model.model.layers if layer.sparse]
+    steps = 6
+    with torch.no_grad():
+        cache = XModCache(model.config)
+        token = model(batch, attention_mask=mask, cache=cache).logits[:, -1:].argmax(-1)
+        calls.clear()
+        with SyncCounter() as syncs:
+            for _ in range(steps):
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                token = model(token, attention_mask=mask, cache=cache).logits[:, -1:].argmax(-1)
+    for hook in hooks:
+        hook.remove()
+    assert calls and {hit.site.split(" in ")[-1] for hit in syncs.hits} == {"_decode_sparse_run"}, syncs.hits
+    assert syncs.count <= steps * len(model.model.sparse_runs()) + len(calls), (syncs.count, len(calls))
 
 
 def test_synthetic_long_context_cache_holds_each_layers_share():

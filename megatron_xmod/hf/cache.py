@@ -10,7 +10,8 @@ layer on the same number of tokens for every sequence (the most any sequence rou
 padding, ``valid`` False, the same padding the megatron layer uses for threshold routing); the cache
 keeps each sequence's valid entries first and the padding after them, past the sequence's fill, where
 its next entries overwrite it. A decode step appends only for the sequences that route their new
-token, each at its own next column. Left padding enters dense layers as invalid entries. Attention
+token, each at its own next column (when a token's routing is too close to call, the layer routes
+the whole batch itself and every sequence gets an entry, invalid where not routed). Left padding enters dense layers as invalid entries. Attention
 reads ``valid`` as its key mask.
 
 The token-choice bias (Eq.8 of the X-MoD paper) needs no cache: a token's bias in a layer depends
@@ -35,8 +36,8 @@ class SparseKVLayer(CacheLayerMixin):
     the sequences that route their token there; the others' columns stay empty (invalid), so a batch
     does not pad every sequence to the busiest one step by step. The fill of each sequence is kept on
     the host (``fills``: the model always knows how many entries it appends where, so no write reads
-    the device) and on the device (``_fill``: the write positions, so no write copies indices from the
-    host). ``keys`` / ``values`` / ``valid`` / ``positions`` are views of the columns in use (up to the
+    the device) and on the device (``_fills_device``: the write positions, so no write copies indices
+    from the host). ``keys`` / ``values`` / ``valid`` / ``positions`` are views of the columns in use (up to the
     largest fill). Buffers grow by an eighth (at least 16 columns) when full: an append is a write,
     not a copy of the layer's cache.
     """
@@ -50,7 +51,7 @@ class SparseKVLayer(CacheLayerMixin):
         self.valid: Optional[torch.Tensor] = None
         self.positions: Optional[torch.Tensor] = None
         self.fills: list[int] = []
-        self._fill: Optional[torch.Tensor] = None
+        self._fills_device: Optional[torch.Tensor] = None
         self._buffers: Optional[tuple[torch.Tensor, ...]] = None  # keys, values, valid, positions at full capacity
 
     @property
@@ -68,7 +69,7 @@ class SparseKVLayer(CacheLayerMixin):
         batch = key_states.shape[0] if batch is None else batch
         self.device = key_states.device
         self.fills = [0] * batch
-        self._fill = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self._fills_device = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._buffers = (key_states.new_empty(batch, heads, 0, dim), value_states.new_empty(batch, heads, 0, dim),
                          torch.zeros(batch, 0, dtype=torch.bool, device=self.device),
                          torch.full((batch, 0), -1, dtype=torch.long, device=self.device))
@@ -99,7 +100,9 @@ class SparseKVLayer(CacheLayerMixin):
         sequences (needed when the first append is for some of them); ``several_tokens``: the pass runs
         several tokens a sequence (a prefill), so padding is worth a read of the counts. Returns ``(keys, values,
         valid, new_columns)`` of those sequences over the columns any of them uses, ``new_columns``
-        ``[n, new]`` the columns of the appended entries."""
+        ``[n, new]`` the columns of the appended entries (four values where transformers' layers return
+        keys and values: the model's attention reads all four). Keys and values of a part of the batch
+        that is not a run of consecutive sequences are copies (``index_select``) of their columns."""
         n, _, new, _ = key_states.shape
         # A sparse layer's pass over several tokens of a batch pads each sequence to the busiest: its valid
         # entries go first and the padding after them, past its fill, where its next entries overwrite it;
@@ -129,7 +132,7 @@ class SparseKVLayer(CacheLayerMixin):
             values[:, :, start:width] = value_states
             valid_buffer[:, start:width] = valid
             position_buffer[:, start:width] = positions
-            self._fill += new
+            self._fills_device += new
             new_columns = (start + steps).expand(n, new)
         else:
             if every:
@@ -142,12 +145,12 @@ class SparseKVLayer(CacheLayerMixin):
                 order = torch.where(valid, valid.cumsum(1), added[:, None] + (~valid).cumsum(1)) - 1
             else:
                 added, order = torch.full_like(row_index, new), steps
-            new_columns = self._fill[row_index][:, None] + order
+            new_columns = self._fills_device[row_index][:, None] + order
             keys[index, :, new_columns] = key_states.transpose(1, 2)
             values[index, :, new_columns] = value_states.transpose(1, 2)
             valid_buffer[index, new_columns] = valid
             position_buffer[index, new_columns] = positions
-            self._fill.index_add_(0, row_index, added)
+            self._fills_device.index_add_(0, row_index, added)
         for r, count in zip(rows, counts):
             self.fills[r] += count
         self._set_views()
@@ -169,43 +172,44 @@ class SparseKVLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = self.valid = self.positions = self._buffers = self._fill = None
+        self.keys = self.values = self.valid = self.positions = self._buffers = self._fills_device = None
         self.fills = []
         self.is_initialized = False
 
     def offload(self):
         if self.is_initialized:
             self._buffers = tuple(t.to("cpu", non_blocking=True) for t in self._buffers)
-            self._fill = self._fill.to("cpu", non_blocking=True)
+            self._fills_device = self._fills_device.to("cpu", non_blocking=True)
             self._set_views()
 
     def prefetch(self):
         if self.is_initialized and self._buffers[0].device != self.device:
             self._buffers = tuple(t.to(self.device, non_blocking=True) for t in self._buffers)
-            self._fill = self._fill.to(self.device, non_blocking=True)
+            self._fills_device = self._fills_device.to(self.device, non_blocking=True)
             self._set_views()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("crop: a sparse layer's entries are not one per token; assisted decoding is not "
                                   "supported with XModCache")
 
-    def _select_batch(self, indices: torch.Tensor) -> None:
+    def select_batch(self, indices: torch.Tensor, picked: Optional[list[int]] = None) -> None:
+        """Keep the sequences ``indices`` (in that order; ``picked``: the same on the host, else read)."""
         if self.is_initialized:
             indices = indices.to(self._buffers[0].device)
             self._buffers = tuple(t.index_select(0, indices) for t in self._buffers)
-            self._fill = self._fill.index_select(0, indices)
-            self.fills = [self.fills[i] for i in indices.tolist()]
+            self._fills_device = self._fills_device.index_select(0, indices)
+            self.fills = [self.fills[i] for i in (indices.tolist() if picked is None else picked)]
             self._set_views()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_batch(beam_idx)
+        self.select_batch(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_batch(indices)
+        self.select_batch(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._select_batch(torch.arange(len(self.fills)).repeat_interleave(repeats))
+            self.select_batch(torch.arange(len(self.fills)).repeat_interleave(repeats))
 
     def nbytes(self, valid_only: bool = False, allocated: bool = False) -> int:
         """Bytes of the keys and values in use (every sequence's columns up to the largest fill);
@@ -237,6 +241,15 @@ class XModCache(Cache):
                *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states, valid, positions, rows, row_index,
                                              self.sequences, self.pass_tokens > 1)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` in every layer: one read of the indices for all layers."""
+        picked = indices.tolist()
+        for layer in self.layers:
+            layer.select_batch(indices, picked)
 
     def begin_pass(self, sequences: int, tokens: int) -> None:
         """Called by the model before a forward pass over ``tokens`` new tokens of ``sequences`` sequences."""

@@ -225,10 +225,11 @@ class XModMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         weights, routing_map = self.router(tokens)
-        if tokens.shape[0] <= len(self.experts):
-            # A decode step's few tokens: every expert runs on all of them, weighted 0 where not routed.
-            # At decode an expert's cost is reading its weights, which a handful of tokens spread over
-            # the experts reads anyway; in exchange no device read decides which experts run.
+        if tokens.shape[0] <= len(self.experts) <= tokens.shape[0] * self.router.config.moe_router_topk:
+            # A decode step's tokens, enough of them to reach about every expert: every expert runs on
+            # all of them, weighted 0 where not routed. At decode an expert's cost is reading its
+            # weights, which those tokens read anyway; in exchange no device read decides which run.
+            # (Fewer tokens, e.g. batch 1 with top-2 of 8: each routed expert alone, one read each.)
             gates = (weights * routing_map).to(tokens.dtype)
             out = sum(expert(tokens) * gates[:, e, None] for e, expert in enumerate(self.experts))
         else:
@@ -318,6 +319,7 @@ class XModDecoderLayer(nn.Module):
         Attention and MLP run for those sequences alone, and the cache appends for them alone.
         Returns (x, token-choice bias after this layer)."""
         cfg = self.config
+        rope = rotary_tables(cfg, positions, x.dtype) if rope is None else rope
         pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, row_index))
         routed = pick(x)
         carried = None if carried_bias is None else pick(carried_bias)
@@ -473,17 +475,16 @@ class XModModel(XModPreTrainedModel):
         weight, weight_abs, router_bias, router_bias_abs = self._router_stacks(start, end)
         tau, bias, i = self.config.token_choice_bias_tau, None, start  # bias [b, 1]: None until a layer routes
         b, h = x.shape[0], x.shape[-1]
-        # The margin bounds the matmul's rounding (fp32) and the layer router's (in x's dtype) on
-        # |s - tau*b| <= bound + tau*b, with bound = |W||x| + |bias| >= |logits| and b >= 0.
-        layer_rounding = 4 * torch.finfo(x.dtype).eps
-        rounding = 2 * h * 2.0 ** -24 + 2 * layer_rounding
+        # The margin bounds the difference to the layer's own decision: the fp32 matmul's summation
+        # (relative to |W||x| + |bias|) and the layer router's rounding of its output in x's dtype
+        # (relative to the logit and the adjusted score).
+        summation, layer_rounding = 2 * h * 2.0 ** -24, 4 * torch.finfo(x.dtype).eps
         while i < end:
             x32 = x[:, 0].float()  # [b, h]
-            scores = F.linear(x32, weight[i - start:], router_bias[i - start:])  # [b, layers left]
+            logits = F.linear(x32, weight[i - start:], router_bias[i - start:])  # [b, layers left]
+            scores = logits if bias is None or tau == 0 else logits - tau * bias
             bound = F.linear(x32.abs(), weight_abs[i - start:], router_bias_abs[i - start:])
-            margin = rounding * bound
-            if bias is not None and tau != 0:
-                scores, margin = scores - tau * bias, margin + (layer_rounding * tau) * bias
+            margin = summation * bound + layer_rounding * (logits.abs() + scores.abs())
             # 2: routed, 1: too close to call, 0: not routed (or padding)
             state = ((scores >= -margin).to(torch.int8) + (scores >= margin)) * valid
             states = state.tolist()  # the one device read
@@ -501,7 +502,7 @@ class XModModel(XModPreTrainedModel):
                 rows = [r for r in range(b) if column[r] == 2]
                 if len(rows) == b:
                     routed = (selected, None, None)
-                else:
+                else:  # their indices on the device without a read: the state there is 2 (routed) or 0
                     routed = (selected, rows, torch.topk(state[:, first], len(rows)).indices.sort().values)
                 x, bias = layer(x, positions, valid, cache, bias, rope=rope, routed=routed)
             i += 1
