@@ -108,7 +108,8 @@ class SparseKVLayer(CacheLayerMixin):
         # entries go first and the padding after them, past its fill, where its next entries overwrite it;
         # decode steps then attend to valid entries only. One read of the counts (a prefill's).
         compact = self.sparse and several_tokens and valid is not None and n > 1
-        counts = valid.sum(1).tolist() if compact else [new] * n
+        added = valid.sum(1) if compact else None
+        counts = added.tolist() if compact else [new] * n
         compact = compact and min(counts) < new
         if valid is None:
             valid = torch.ones(n, new, dtype=torch.bool, device=key_states.device)
@@ -141,7 +142,6 @@ class SparseKVLayer(CacheLayerMixin):
                 row_index = torch.tensor(rows, device=keys.device)  # a host-to-device copy: pass row_index
             index = row_index[:, None]
             if compact:
-                added = valid.sum(1)
                 order = torch.where(valid, valid.cumsum(1), added[:, None] + (~valid).cumsum(1)) - 1
             else:
                 added, order = torch.full_like(row_index, new), steps
@@ -209,7 +209,8 @@ class SparseKVLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self.select_batch(torch.arange(len(self.fills)).repeat_interleave(repeats))
+            picked = [i for i in range(len(self.fills)) for _ in range(repeats)]
+            self.select_batch(torch.tensor(picked), picked)
 
     def nbytes(self, valid_only: bool = False, allocated: bool = False) -> int:
         """Bytes of the keys and values in use (every sequence's columns up to the largest fill);
