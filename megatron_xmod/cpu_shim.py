@@ -1,6 +1,6 @@
 """The CPU shim: megatron-core 0.19.2 (and ``megatron.training.pretrain``) on a machine without a GPU.
 
-Patches 1-11, 21, 27 and 28, each naming the megatron line it targets (paths relative to ``megatron/core`` or
+Patches 1-11, 21, 27-31, each naming the megatron line it targets (paths relative to ``megatron/core`` or
 ``megatron/training`` of the wheel; re-check them when the pin moves). Nothing here runs where
 ``torch.cuda.is_available()``: GPU runs never see these patches. The CUDA build of torch imports fine
 without a driver, but every CUDA call raises, and megatron calls CUDA unconditionally in a handful of
@@ -204,6 +204,54 @@ def _install_core() -> None:
     #     with float()): ~0.17 s a step over an A3K16 model's 3,250 gradient tensors on 2 cores. torch's
     #     foreach kernels compute the same norm and scale.
     _foreach_clip_grads()
+    # 31. layer-mode: the mode of patch 3 costs every torch call made from Python ~1.4 us on this CPU (torch
+    #     pops and re-pushes the mode around each call), ~5% of a routed layer's forward + backward at
+    #     cpu-256 (~120 such calls a layer), which a GPU run never pays. Megatron's TransformerBlock.forward
+    #     (transformer/transformer_block.py) runs with the mode set aside: its layers allocate on
+    #     current_device() (patch 2), but for the causal masks of the local attention's softmax
+    #     (transformer/utils.py:39/44 device="cuda", called from fusions/fused_softmax.py), which run under
+    #     the mode. (The other device="cuda" sites of transformer/ and fusions/ are GPU-only features:
+    #     CUDA graphs, HybridEP, paged stash, fused permutation.)
+    _block_forward_without_device_mode()
+
+
+def _block_forward_without_device_mode() -> None:
+    """Patch 31: megatron's ``TransformerBlock.forward`` runs with :class:`_CudaDeviceToCpu` set aside
+    when it is the innermost torch-function mode (any other mode, e.g. a test's, stays in force)."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    forward = TransformerBlock.forward
+    if getattr(forward, "_xmod_without_device_mode", False):
+        return
+
+    @functools.wraps(forward)
+    def forward_without_device_mode(self, *args, **kwargs):
+        if not isinstance(torch.overrides._get_current_function_mode(), _CudaDeviceToCpu):
+            return forward(self, *args, **kwargs)
+        with torch.overrides._pop_mode_temporarily():
+            return forward(self, *args, **kwargs)
+
+    forward_without_device_mode._xmod_without_device_mode = True
+    TransformerBlock.forward = forward_without_device_mode
+
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.utils as transformer_utils
+
+    for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
+        under_mode = _under_device_mode(getattr(transformer_utils, name))
+        setattr(transformer_utils, name, under_mode)
+        setattr(fused_softmax, name, under_mode)
+
+
+def _under_device_mode(fn):
+    """``fn`` called with :class:`_CudaDeviceToCpu` in force (its device="cuda" tensors made on the CPU)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with _CudaDeviceToCpu():
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def _fused_cpu_adam() -> None:

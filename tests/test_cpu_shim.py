@@ -1,5 +1,6 @@
-"""The CPU shim's patches 27 and 28: megatron's DDP buffer collectives over a one-rank group are the copy they are;
-megatron's import-time torch.compile decorations build nothing until a compiled function is called."""
+"""The CPU shim's patches 27, 28 and 31: megatron's DDP buffer collectives over a one-rank group are the copy they
+are; megatron's import-time torch.compile decorations build nothing until a compiled function is called; the
+transformer block runs without the device-rewriting mode."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -68,3 +69,36 @@ def test_megatron_imports_without_building_compile_wrappers():
     plain = subprocess.run([sys.executable, "-c", probe.format(first="pass")], capture_output=True, text=True,
                            timeout=300)
     assert plain.returncode == 0 and plain.stdout.split("\n")[-2].startswith("['torch._dynamo', 'torch._inductor']")
+
+
+def test_transformer_block_runs_without_the_device_mode(seeded):
+    """Patch 31: megatron's TransformerBlock.forward runs its layers without the shim's torch-function mode
+    (its per-call cost), which stays in force around the block (the embedding) and after it; the block
+    computes what its own forward computes under the mode."""
+    from megatron_xmod.cpu_shim import _CudaDeviceToCpu
+    from tests.helpers import tiny_model
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU shim is not installed where CUDA is available")
+    current = torch.overrides._get_current_function_mode
+    assert isinstance(current(), _CudaDeviceToCpu)  # the session's cpu_patches
+    model, _ = tiny_model("D + S4*2 + D")
+    model.eval()
+    seen = {}
+
+    def record(name):
+        def hook(module, args):
+            seen.setdefault(name, current())
+        return hook
+
+    model.decoder.layers[1].register_forward_pre_hook(record("layer"))
+    model.embedding.register_forward_pre_hook(record("embedding"))
+    tokens = torch.randint(0, 256, (2, 64))
+    with torch.no_grad():
+        hidden = model.embedding(tokens, torch.arange(64).expand(2, -1))
+        rope = model.rotary_pos_emb(64)
+        patched = model.decoder(hidden, None, rotary_pos_emb=rope)
+        under_mode = type(model.decoder).forward.__wrapped__(model.decoder, hidden, None, rotary_pos_emb=rope)
+    assert seen["layer"] is None, seen
+    assert isinstance(seen["embedding"], _CudaDeviceToCpu) and isinstance(current(), _CudaDeviceToCpu)
+    torch.testing.assert_close(patched, under_mode, rtol=0, atol=0)

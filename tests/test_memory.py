@@ -50,9 +50,9 @@ def test_chained_router_gradients_equal_plain_linear(seeded, monkeypatch, family
     assert grads.keys() == reference_grads.keys()
     routers = [name for name in grads if "router.weight" in name]
     assert len(routers) == (6 if layout == LAYOUT else 8)
-    # The chain adds a router's input-gradient term to the rows' gradient in one addmm where autograd sums two
-    # tensors: a sum in another order, bit for bit or not depending on the CPU's BLAS path (on an AVX-512
-    # machine the last bits differ, ~3e-8 relative, and reach the routers of the layers below).
+    # The chain adds a router's input-gradient term to the rows' gradient in one addcmul where autograd sums two
+    # tensors: a sum in another order (fused or not), bit for bit or not depending on the CPU's vector path (on
+    # an AVX-512 machine the last bits differ, ~3e-8 relative, and reach the routers of the layers below).
     for name, grad in grads.items():
         scale = float(reference_grads[name].abs().max())
         torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-6 * scale, msg=name)

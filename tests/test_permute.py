@@ -102,6 +102,53 @@ def test_reference_gradcheck_fp64(shape):
     assert torch.autograd.gradcheck(lambda a: reference.gather_unique_tokens(a, idx), (x,))
     assert torch.autograd.gradcheck(lambda a, b_, g: reference.scatter_gated(a, b_, g, idx), (x, y, gate))
 
+    def split(a):  # both outputs, and each alone (the other's gradient None)
+        residual, routed = reference.split_unique_tokens(a, idx)
+        return residual * 1.5, routed.sin()
+
+    assert torch.autograd.gradcheck(split, (x,))
+    assert torch.autograd.gradcheck(lambda a: reference.split_unique_tokens(a, idx)[0].cos(), (x,))
+    assert torch.autograd.gradcheck(lambda a: reference.split_unique_tokens(a, idx)[1].cos(), (x,))
+
+
+def test_split_unique_tokens_is_one_pass_over_the_residual_gradient():
+    """A routed update reading x twice (rows and residual) through split_unique_tokens: the same output and
+    gradient as gather + scatter, and its backward makes one full-length buffer (the residual's gradient with
+    the rows written in), where two uses of x make autograd scatter into zeros and add."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FullLengthOutputs(TorchDispatchMode):
+        """The aten ops of the backward that make a new buffer as large as x (views and in-place ops make none)."""
+
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.names = numel, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
+            if (isinstance(out, torch.Tensor) and out.numel() == self.numel
+                    and out.untyped_storage().data_ptr() not in inputs):
+                self.names.append(str(func.overloadpacket))
+            return out
+
+    x, y, gate, idx, go_full, _ = make_inputs((64, 2, 8, 16), torch.float64, seed=3)
+    results = {}
+    for name in ("two uses", "split"):
+        a = x.clone().requires_grad_(True)
+        if name == "split":
+            residual, routed = reference.split_unique_tokens(a, idx)
+        else:
+            residual, routed = a, reference.gather_unique_tokens(a, idx)
+        out = reference.scatter_gated(residual, routed.tanh() * y, gate, idx)
+        with FullLengthOutputs(a.numel()) as ops:
+            out.backward(go_full)
+        results[name] = (out.detach(), a.grad, ops.names)
+    torch.testing.assert_close(results["split"][0], results["two uses"][0], rtol=0, atol=0)
+    torch.testing.assert_close(results["split"][1], results["two uses"][1], rtol=1e-15, atol=1e-15)
+    assert len(results["split"][2]) == 1, results["split"][2]  # the residual's gradient, rows written in
+    assert len(results["two uses"][2]) >= 3, results["two uses"][2]  # zeros, rows written, the sum
+
 
 # ---------------------------------------------------------------- backend vs fp64 truth
 

@@ -325,10 +325,10 @@ def plain_routed_update(layer: XModSparseLayer, hidden_states, indices, gate, ro
     (megatron_xmod.xmod.compile): no index check (it reads the device), no kernel backend, no ResidualGrad
     (Inductor fuses the residual gradient's add itself), and top-k's indices are unique, so the gather's
     backward writes rows rather than adding them."""
-    routed = reference_permute.gather_unique_tokens(hidden_states, indices)
+    residual, routed = reference_permute.split_unique_tokens(hidden_states, indices)
     attention, mlp = layer._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices))
     delta, gate = gated_residual(layer.routing.family, attention, mlp, gate.to(hidden_states.dtype))
-    return reference_permute.scatter_gated(hidden_states, delta, gate, indices), routed
+    return reference_permute.scatter_gated(residual, delta, gate, indices), routed
 
 
 def _cuda_graphs(config) -> bool:

@@ -745,8 +745,9 @@ class RouterLogits(torch.autograd.Function):
     Inputs: x [s, b, h], weight [1, h], bias [1] (or None), the chain's base (x.detach() itself when x
     starts the chain), its :class:`ChainCursor`, then the chain's links, flattened. Outputs: the logits
     and x itself again (an alias), which the layer's routed update reads: the alias's gradient then
-    arrives here and the router's d x is added to it by the same matmul (``addmm``), where the autograd
-    engine would spend an ``mm`` and an ``add`` (issue 28's backward launch count).
+    arrives here and the router's d x (the outer product d logits w) is added to it in one pass (``addcmul``),
+    where the autograd engine would spend an ``mm`` and an ``add`` (issue 28's backward launch count), and
+    ``addmm`` would copy the gradient before adding.
     """
 
     @staticmethod
@@ -763,8 +764,8 @@ class RouterLogits(torch.autograd.Function):
         grad = grad_output.reshape(-1, grad_output.shape[-1])  # [s*b, 1]
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = (grad.mm(weight) if grad_alias is None else
-                      torch.addmm(grad_alias.reshape(grad.shape[0], -1), grad, weight)).view(ctx.x_shape)
+            grad_x = (grad * weight if grad_alias is None else
+                      torch.addcmul(grad_alias.reshape(grad.shape[0], -1), grad, weight)).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # as addmm's backward computes it: (x^T g)^T
             x = ctx.cursor.input(base, links)
             grad_weight = x.reshape(-1, x.shape[-1]).t().mm(grad).t()

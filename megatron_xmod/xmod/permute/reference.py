@@ -39,6 +39,37 @@ def gather_unique_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
     return _GatherUniqueRows.apply(x.reshape(-1, x.shape[-1]), flat_rows(indices, indices.shape[1])).view(*indices.shape, x.shape[-1])
 
 
+class _SplitUniqueRows(torch.autograd.Function):
+    """(``x2d`` itself, ``x2d.index_select(0, rows)``): the residual stream and the routed rows of one x, with
+    one backward for both: the residual's gradient with the rows' gradients added at ``rows``, one pass over
+    it, where two uses of x would make the autograd engine (or a compiler) scatter the rows into a fresh
+    full-length buffer of zeros and add it to the residual's gradient: three passes and two full-length
+    buffers a routed layer. Rows unique (top-k's): the rows are written, not accumulated."""
+
+    @staticmethod
+    def forward(ctx, x2d, rows):
+        ctx.save_for_backward(rows)
+        ctx.num_rows = x2d.shape[0]
+        return x2d.view_as(x2d), x2d.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad_residual, grad_rows):
+        (rows,) = ctx.saved_tensors
+        if grad_residual is None:
+            return grad_rows.new_zeros(ctx.num_rows, grad_rows.shape[1]).index_copy(0, rows, grad_rows), None
+        if grad_rows is None:
+            return grad_residual, None
+        return grad_residual.index_put((rows,), grad_residual.index_select(0, rows) + grad_rows), None
+
+
+def split_unique_tokens(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x as the residual stream, :func:`gather_unique_tokens` of it) for indices unique per sequence, whose
+    gradients meet in one pass (:class:`_SplitUniqueRows`): a routed update that reads x twice (its routed
+    rows and the residual it scatters onto) should take both from here."""
+    residual, routed = _SplitUniqueRows.apply(x.reshape(-1, x.shape[-1]), flat_rows(indices, indices.shape[1]))
+    return residual.view_as(x), routed.view(*indices.shape, x.shape[-1])
+
+
 def scatter_gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Return ``x`` with ``x + gate * y`` written at ``indices``; every other token passes unchanged.
 
