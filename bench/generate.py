@@ -77,7 +77,7 @@ def calibrate_routers(model, tokens: torch.Tensor) -> list[float]:
     for i, layer in enumerate(inner.layers):
         carried = bias if cfg.carries_bias(i) else None
         if layer.sparse:
-            scores = layer.router(x).squeeze(-1).float()
+            scores = layer.router_logits(x)
             if carried is not None:
                 scores = scores - cfg.token_choice_bias_tau * carried
             layer.router.bias -= torch.quantile(scores.flatten(), 1 - 1 / layer.sparsity_k).to(layer.router.bias.dtype)

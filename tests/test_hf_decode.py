@@ -82,16 +82,24 @@ def test_left_padded_batch_decodes_as_each_prompt_alone():
 
 def _routers_run_per_step(model, steps):
     calls = []
-    hooks = [layer.router.register_forward_hook(lambda *_: calls.append(1))
-             for layer in model.model.layers if layer.sparse]
+    sparse = [layer for layer in model.model.layers if layer.sparse]
+
+    def counted(router_logits):
+        def call(x):
+            calls.append(1)
+            return router_logits(x)
+        return call
+
+    for layer in sparse:
+        layer.router_logits = counted(layer.router_logits)
     try:
         token, cache = prefill(model, prompt())
         calls.clear()
         with SyncCounter() as syncs:
             decode(model, token, cache, steps)
     finally:
-        for hook in hooks:
-            hook.remove()
+        for layer in sparse:
+            del layer.router_logits
     return len(calls) / steps, syncs.count / steps
 
 
@@ -123,7 +131,7 @@ def test_a_layer_whose_score_is_within_rounding_of_zero_takes_its_own_decision()
         n = text.shape[1]
         x, _ = model.model.layers[0](model.model.embed_tokens(text), torch.arange(n)[None],
                                      torch.ones(1, n, dtype=torch.bool))  # the input of the first sparse layer
-        layers[0].router.bias -= layers[0].router(x[:, -1:]).flatten()
+        layers[0].router.bias -= layers[0].router_logits(x[:, -1:]).flatten()
     model.model.decode_skips_unrouted = False
     want_tokens, want_logits, _ = cached(model, start, 6)
     model.model.decode_skips_unrouted = True
@@ -133,6 +141,50 @@ def test_a_layer_whose_score_is_within_rounding_of_zero_takes_its_own_decision()
     tokens, logits, _ = cached(model, start, 6)
     hook.remove()
     assert runs[1] is False  # the first decode step: the layer's own routing, its count read back
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_run_ahead_margin_covers_the_layers_own_rounding_in_half_precision(dtype):
+    """In bf16 and fp16 the layers' routers round their logits in the model's dtype, where the run-ahead
+    scores in fp32: over a decode, every layer's own score (router in ``dtype``, then s - tau b) lies within
+    the margin of the run-ahead's (measured: within half of it), and the run-ahead decides nearly every routed
+    layer itself (before, routers rounding x w + bias in the model's dtype and a margin of whole percents of
+    the logit left about half of them to their own routing at h = 64 in bf16). At batch 1 the decode equals
+    the one that runs every layer's own routing."""
+    from megatron_xmod.hf.modeling_xmod import run_ahead_margin
+
+    model = routed_model(seed=1).to(dtype)
+    inner = model.model
+    ratios, decided, own = [], [], []
+    run_sparse = inner._decode_sparse_run
+
+    def checked_run(start, x, positions, valid, cache, rope):
+        end = inner._sparse_run_end[start]
+        weight, weight_abs, router_bias, router_bias_abs = inner._router_stacks(start, end)
+        x32 = x[:, 0].float()
+        logits = torch.nn.functional.linear(x32, weight, router_bias)
+        bound = torch.nn.functional.linear(x32.abs(), weight_abs, router_bias_abs)
+        theirs = torch.stack([inner.layers[j].router_logits(x)[:, 0] for j in range(start, end)], 1)
+        margin = run_ahead_margin(logits, logits, bound, router_bias, x.shape[-1], dtype)  # tau b cancels out
+        ratios.append(float(((logits - theirs).abs() / margin).max()))
+        return run_sparse(start, x, positions, valid, cache, rope)
+
+    def count(module, args, kwargs):
+        (decided if kwargs.get("routed") is not None else own).append(1)
+
+    hooks = [layer.register_forward_pre_hook(count, with_kwargs=True) for layer in inner.layers if layer.sparse]
+    inner._decode_sparse_run = checked_run
+    tokens, logits, _ = cached(model, prompt(seed=2), 24)
+    del inner._decode_sparse_run
+    for hook in hooks:
+        hook.remove()
+    prefill_calls = sum(layer.sparse for layer in inner.layers)
+    own = own[prefill_calls:]  # the prefill runs every sparse layer's own routing
+    assert ratios and max(ratios) <= 1.0, max(ratios)
+    assert len(decided) >= 10 * len(own), (len(decided), len(own))
+    inner.decode_skips_unrouted = False
+    want_tokens, want_logits, _ = cached(model, prompt(seed=2), 24)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
 
 

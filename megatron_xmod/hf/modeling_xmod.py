@@ -264,6 +264,11 @@ class XModDecoderLayer(nn.Module):
             if config.routing_family == "xmod":
                 self.gate_scale = nn.Parameter(torch.ones(1))
 
+    def router_logits(self, x) -> torch.Tensor:
+        """[b, n] fp32 router logits of a sparse layer as megatron's routed layer computes them: x w in x's
+        dtype, then the router's bias added in fp32 (its routing step adds the bias)."""
+        return F.linear(x, self.router.weight).squeeze(-1).float() + self.router.bias.float()
+
     def _attention_and_mlp(self, x, positions, valid, cache, documents=None, rows=None, row_index=None, rope=None):
         attention = self.self_attn(self.input_layernorm(x), positions, valid, cache, documents, rows, row_index, rope)
         return attention, self.mlp(self.post_attention_layernorm(x + attention))
@@ -283,7 +288,7 @@ class XModDecoderLayer(nn.Module):
             attention, mlp = self._attention_and_mlp(x, positions, valid, cache, documents, rope=rope)
             return x + attention + mlp, None
         cfg = self.config
-        logits = self.router(x).squeeze(-1).float()  # [b, n]
+        logits = self.router_logits(x)  # [b, n]
         carried = None if carried_bias is None else carried_bias.t()
         decision = route(logits.t(), self.sparsity_k, rule, carried, cfg.token_choice_bias_tau,
                          getattr(cfg, "routing_segments", 1))
@@ -323,7 +328,7 @@ class XModDecoderLayer(nn.Module):
         pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, row_index))
         routed = pick(x)
         carried = None if carried_bias is None else pick(carried_bias)
-        scores = adjusted_logits(self.router(routed).squeeze(-1).float(), carried, cfg.token_choice_bias_tau)
+        scores = adjusted_logits(self.router_logits(routed), carried, cfg.token_choice_bias_tau)
         attention, mlp = self._attention_and_mlp(routed, pick(positions), pick(valid), cache, rows=rows,
                                                  row_index=row_index, rope=tuple(pick(t) for t in rope))
         delta, gate = gated_residual(cfg.routing_family, attention, mlp, torch.sigmoid(scores).to(x.dtype),
@@ -475,16 +480,12 @@ class XModModel(XModPreTrainedModel):
         weight, weight_abs, router_bias, router_bias_abs = self._router_stacks(start, end)
         tau, bias, i = self.config.token_choice_bias_tau, None, start  # bias [b, 1]: None until a layer routes
         b, h = x.shape[0], x.shape[-1]
-        # The margin bounds the difference to the layer's own decision: the fp32 matmul's summation
-        # (relative to |W||x| + |bias|) and the layer router's rounding of its output in x's dtype
-        # (relative to the logit and the adjusted score).
-        summation, layer_rounding = 2 * h * 2.0 ** -24, 4 * torch.finfo(x.dtype).eps
         while i < end:
             x32 = x[:, 0].float()  # [b, h]
             logits = F.linear(x32, weight[i - start:], router_bias[i - start:])  # [b, layers left]
             scores = logits if bias is None or tau == 0 else logits - tau * bias
             bound = F.linear(x32.abs(), weight_abs[i - start:], router_bias_abs[i - start:])
-            margin = summation * bound + layer_rounding * (logits.abs() + scores.abs())
+            margin = run_ahead_margin(logits, scores, bound, router_bias[i - start:], h, x.dtype)
             # 2: routed, 1: too close to call, 0: not routed (or padding)
             state = ((scores >= -margin).to(torch.int8) + (scores >= margin)) * valid
             states = state.tolist()  # the one device read
@@ -513,6 +514,17 @@ class XModModel(XModPreTrainedModel):
         weight = torch.cat([self.layers[i].router.weight for i in range(start, end)]).float()
         router_bias = torch.cat([self.layers[i].router.bias for i in range(start, end)]).float()
         return weight, weight.abs(), router_bias, router_bias.abs()
+
+
+def run_ahead_margin(logits, scores, bound, router_bias, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """How far the decode run-ahead's fp32 score of a layer may lie from the layer's own
+    (:meth:`XModDecoderLayer.router_logits`: x w rounded to ``dtype``, the bias and s - tau b in fp32): the
+    matmuls' summation (relative to |W||x| + |bias|, twice h fp32 ulps), the rounding of x w to ``dtype``
+    (at most eps/2 of it: one eps here) and the fp32 additions (relative to the logit and the score).
+    Measured in bf16 and fp16 (tests/test_hf_decode.py): the difference stays within half of it."""
+    rounding = torch.finfo(dtype).eps
+    return (2 * hidden * 2.0 ** -24 * bound + rounding * (logits - router_bias).abs()
+            + 2.0 ** -22 * (logits.abs() + scores.abs()))
 
 
 class XModForCausalLM(XModPreTrainedModel, GenerationMixin):
