@@ -322,9 +322,9 @@ def plain_routed_update(layer: XModSparseLayer, hidden_states, indices, gate, ro
     """``layer``'s top-k routed update in plain torch ops, as ``_routed_update`` computes it without sequence
     or context parallelism, padding or a document mask: (x with the routed tokens updated, the gathered routed
     input). ``gate``: the routing step's [k, b] (varsigma included). What ``--xmod-compile-layers`` compiles
-    (megatron_xmod.xmod.compile): no index check (it reads the device), no kernel backend, no ResidualGrad
-    (Inductor fuses the residual gradient's add itself), and top-k's indices are unique, so the gather's
-    backward writes rows rather than adding them."""
+    (megatron_xmod.xmod.compile): no index check (it reads the device), no kernel backend; the residual and the
+    routed rows come from one autograd node (``split_unique_tokens``, ResidualGrad's role), whose backward
+    writes the rows' gradients into the residual's in one pass (top-k's indices are unique)."""
     residual, routed = reference_permute.split_unique_tokens(hidden_states, indices)
     attention, mlp = layer._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices))
     delta, gate = gated_residual(layer.routing.family, attention, mlp, gate.to(hidden_states.dtype))
