@@ -11,8 +11,8 @@ padding, ``valid`` False, the same padding the megatron layer uses for threshold
 keeps each sequence's valid entries first and the padding after them, past the sequence's fill, where
 its next entries overwrite it. A decode step appends only for the sequences that route their new
 token, each at its own next column (when a token's routing is too close to call, the layer routes
-the whole batch itself and every sequence gets an entry, invalid where not routed). Left padding enters dense layers as invalid entries. Attention
-reads ``valid`` as its key mask.
+the whole batch itself and every sequence gets an entry, invalid where not routed). Left padding
+enters dense layers as invalid entries. Attention reads ``valid`` as its key mask.
 
 The token-choice bias (Eq.8 of the X-MoD paper) needs no cache: a token's bias in a layer depends
 only on its own decisions in the previous sparse layers of the block, all taken in the forward pass

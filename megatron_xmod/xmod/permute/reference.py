@@ -17,34 +17,14 @@ def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).index_select(0, flat_rows(indices, indices.shape[1])).view(*indices.shape, x.shape[-1])
 
 
-class _GatherUniqueRows(torch.autograd.Function):
-    """``x2d.index_select(0, rows)`` whose backward writes the rows' gradients (``index_copy``) where
-    ``index_select``'s adds them (``index_add``): the same for unique rows, and a compiler need not make the
-    writes atomic (Inductor's CPU index_add is an atomic add per element)."""
-
-    @staticmethod
-    def forward(ctx, x2d, rows):
-        ctx.save_for_backward(rows)
-        ctx.num_rows = x2d.shape[0]
-        return x2d.index_select(0, rows)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (rows,) = ctx.saved_tensors
-        return grad.new_zeros(ctx.num_rows, grad.shape[1]).index_copy(0, rows, grad), None
-
-
-def gather_unique_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """:func:`gather_tokens` for indices unique per sequence (top-k's), with a non-accumulating backward."""
-    return _GatherUniqueRows.apply(x.reshape(-1, x.shape[-1]), flat_rows(indices, indices.shape[1])).view(*indices.shape, x.shape[-1])
-
-
 class _SplitUniqueRows(torch.autograd.Function):
     """(``x2d`` itself, ``x2d.index_select(0, rows)``): the residual stream and the routed rows of one x, with
     one backward for both: the residual's gradient with the rows' gradients added at ``rows``, one pass over
     it, where two uses of x would make the autograd engine (or a compiler) scatter the rows into a fresh
     full-length buffer of zeros and add it to the residual's gradient: three passes and two full-length
-    buffers a routed layer. Rows unique (top-k's): the rows are written, not accumulated."""
+    buffers a routed layer. Rows unique (top-k's): the rows are written (``index_put``, ``index_copy``), not
+    added as ``index_select``'s backward adds them, so a compiler need not make the writes atomic (Inductor's
+    CPU index_add is an atomic add per element)."""
 
     @staticmethod
     def forward(ctx, x2d, rows):
@@ -63,11 +43,17 @@ class _SplitUniqueRows(torch.autograd.Function):
 
 
 def split_unique_tokens(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x as the residual stream, :func:`gather_unique_tokens` of it) for indices unique per sequence, whose
+    """(x as the residual stream, :func:`gather_tokens` of it) for indices unique per sequence, whose
     gradients meet in one pass (:class:`_SplitUniqueRows`): a routed update that reads x twice (its routed
     rows and the residual it scatters onto) should take both from here."""
     residual, routed = _SplitUniqueRows.apply(x.reshape(-1, x.shape[-1]), flat_rows(indices, indices.shape[1]))
     return residual.view_as(x), routed.view(*indices.shape, x.shape[-1])
+
+
+def gather_unique_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """:func:`gather_tokens` for indices unique per sequence (top-k's), with a non-accumulating backward (the
+    routed rows of :func:`split_unique_tokens` alone: their gradients written into zeros)."""
+    return split_unique_tokens(x, indices)[1]
 
 
 def scatter_gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
