@@ -269,6 +269,34 @@ def test_moe_router_state_stays_fp32_in_a_bf16_model(tmp_path):
     assert loaded(torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("router", ["topk", "dtopp"])
+def test_moe_runs_each_expert_on_its_tokens_with_one_device_read(router):
+    """A prefill's MoE layer equals the plain sum over each token's routed experts (weighted), top-p's
+    varying number of experts a token included, and reads the device once for the whole layer."""
+    from sync_counter import SyncCounter
+
+    cfg = XModHFConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                       num_experts=8, moe_intermediate_size=8, moe_router_type=router, moe_router_topk=2,
+                       shared_expert_intermediate_size=8)
+    moe = XModForCausalLM(cfg).model.layers[0].mlp
+    tokens = torch.randn(3, 11, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        moe.router.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))  # peaked scores: top-p varies
+        if router == "dtopp":
+            moe.router.dtopp_threshold.fill_(0.5)
+        weights, routing_map = moe.router(tokens.reshape(-1, 16))
+        flat = tokens.reshape(-1, 16)
+        expected = torch.stack([sum(moe.experts[e](flat[t]) * weights[t, e] for e in routing_map[t].nonzero().flatten())
+                                for t in range(flat.shape[0])]) + moe.shared_experts(flat)
+        with SyncCounter() as syncs:
+            got = moe(tokens)
+    per_token = routing_map.sum(1)
+    assert router == "topk" or per_token.min() < per_token.max(), per_token  # top-p: tokens take 1, 2, ... experts
+    assert routing_map.any(0).sum() >= 4  # several experts ran
+    torch.testing.assert_close(got.reshape(-1, 16), expected, rtol=0, atol=1e-6)
+    assert syncs.count == 1, syncs.summary()
+
+
 HIDE_MEGATRON = textwrap.dedent("""
     import importlib.abc, json, sys
     class Hide(importlib.abc.MetaPathFinder):

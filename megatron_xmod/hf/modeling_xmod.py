@@ -239,12 +239,19 @@ class XModMoE(nn.Module):
         return out.view_as(x)
 
     def _routed_experts(self, tokens, weights, routing_map):
-        """Each expert on its routed tokens only (one device read per expert that has tokens)."""
+        """Each expert on its routed tokens only. One device read for the whole layer (the tokens per
+        expert): the routed (expert, token) pairs are sorted expert by expert on the device, and the
+        host cuts them at those counts."""
+        t = tokens.shape[0]
+        counts = routing_map.sum(0).tolist()  # the one device read
+        expert_major = routing_map.t().reshape(-1)
+        # a stable sort of "not routed" puts the routed pairs first, expert by expert, tokens in order
+        pairs = torch.argsort(~expert_major, stable=True)[:sum(counts)]
+        rows = pairs % t
+        gates = weights.t().reshape(-1)[pairs, None].to(tokens.dtype)
+        outputs = [self.experts[e](chunk) for e, chunk in enumerate(tokens[rows].split(counts)) if counts[e]]
         out = torch.zeros_like(tokens)
-        for e in routing_map.any(0).nonzero().flatten().tolist():
-            rows = routing_map[:, e].nonzero().flatten()
-            out.index_add_(0, rows, self.experts[e](tokens[rows]) * weights[rows, e, None].to(tokens.dtype))
-        return out
+        return out if not outputs else out.index_add_(0, rows, torch.cat(outputs) * gates)
 
 
 class XModDecoderLayer(nn.Module):
