@@ -222,11 +222,27 @@ def test_batched_decode_runs_and_caches_the_routing_sequences_only():
         alone = XModCache(model.config)
         with torch.no_grad():
             model(want_tokens[:, :-1], cache=alone)  # the cache decoding it alone ends with
-        mine = [int(layer.valid[row].sum()) for layer in cache.layers]
+        mine = [layer.entries_per_sequence()[row] for layer in cache.layers]
         assert mine == alone.entries(), row
-        sparse = [i for i, layer in enumerate(cache.layers) if layer.sparse]
-        assert [cache.layers[i].fills[row] for i in sparse] == [mine[i] for i in sparse], row  # no padding in use
-        assert all(cache.layers[i].valid[row, :mine[i]].all() for i in sparse), row
+        for layer, entries in zip(cache.layers, mine):  # a sparse layer keeps the sequence's valid entries only
+            assert not layer.sparse or (layer.fills[row] == entries and layer.sequence(row)[2].all()), row
+
+
+def test_sparse_layers_hold_each_sequences_entries_without_padding():
+    """A batch's sparse layers hold what each sequence routed and nothing for the others: the bytes in
+    use are the valid entries', and each sequence's buffer is at most an eighth (or 16 entries) longer
+    than its entries, where one buffer as wide as the busiest sequence held the sum of the widest fill."""
+    model = routed_model()
+    prompts = [prompt(1, 40, seed=5)[0], prompt(1, 12, seed=6)[0], prompt(1, 31, seed=7)[0], prompt(1, 22, seed=8)[0]]
+    _, _, cache = _left_padded_generation(model, prompts, 6)
+    sparse = [layer for layer in cache.layers if layer.sparse]
+    assert any(len(set(layer.fills)) > 1 for layer in sparse)  # sequences routed different numbers of tokens
+    assert sum(layer.nbytes() for layer in sparse) == sum(layer.nbytes(valid_only=True) for layer in sparse)
+    entries, widest = sum(sum(layer.fills) for layer in sparse), sum(len(layer.fills) * layer.used for layer in sparse)
+    assert entries < 0.8 * widest, (entries, widest)
+    for layer in sparse:
+        for row, fill in enumerate(layer.fills):
+            assert layer.capacity(row) <= fill + max(16, fill // 8), (row, fill, layer.capacity(row))
 
 
 def test_cache_appends_write_into_preallocated_buffers():

@@ -5,14 +5,14 @@ of those tokens: its cache layer grows by one entry per *routed* token (about 1/
 threshold rule), a dense layer's by one per token. Keys are stored after RoPE, i.e. at the token's
 original position, which is also kept (``positions``) for inspection.
 
-In a batch, sequences route different tokens. A pass over several tokens (a prefill) runs a sparse
-layer on the same number of tokens for every sequence (the most any sequence routed; the surplus is
-padding, ``valid`` False, the same padding the megatron layer uses for threshold routing); the cache
-keeps each sequence's valid entries first and the padding after them, past the sequence's fill, where
-its next entries overwrite it. A decode step appends only for the sequences that route their new
-token, each at its own next column (when a token's routing is too close to call, the layer routes
-the whole batch itself and every sequence gets an entry, invalid where not routed). Left padding
-enters dense layers as invalid entries. Attention reads ``valid`` as its key mask.
+In a batch, sequences route different tokens, so a sparse layer keeps one buffer per sequence, as
+long as that sequence's entries: a pass over several tokens (a prefill) runs a sparse layer on the same
+number of tokens for every sequence (the most any sequence routed; the surplus is padding, ``valid``
+False, the same padding the megatron layer uses for threshold routing), and each sequence keeps its
+valid entries only. A decode step appends only for the sequences that route their new token (when a
+token's routing is too close to call, the layer routes the whole batch itself and every sequence gets
+an entry, invalid where not routed). A dense layer keeps every token of every sequence in one batched
+buffer; left padding enters it as invalid entries. Attention reads ``valid`` as its key mask.
 
 The token-choice bias (Eq.8 of the X-MoD paper) needs no cache: a token's bias in a layer depends
 only on its own decisions in the previous sparse layers of the block, all taken in the forward pass
@@ -28,48 +28,70 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-class SparseKVLayer(CacheLayerMixin):
-    """K/V of one layer in preallocated buffers ``[batch, kv_heads, capacity, head_dim]``, plus ``valid`` /
-    ``positions`` ``[batch, capacity]``.
-
-    Each sequence fills its own columns in order: a decode step in a sparse layer appends only for
-    the sequences that route their token there; the others' columns stay empty (invalid), so a batch
-    does not pad every sequence to the busiest one step by step. The fill of each sequence is kept on
-    the host (``fills``: the model always knows how many entries it appends where, so no write reads
-    the device) and on the device (``_fills_device``: the write positions, so no write copies indices
-    from the host). ``keys`` / ``values`` / ``valid`` / ``positions`` are views of the columns in use (up to the
-    largest fill). Buffers grow by an eighth (at least 16 columns) when full: an append is a write,
-    not a copy of the layer's cache.
-    """
+class _KVLayer(CacheLayerMixin):
+    """What both layer caches share: transformers' interface around ``update`` / ``select_batch``."""
 
     is_compileable = False
     is_croppable = False
+    sparse = False
 
-    def __init__(self, sparse: bool = False, **kwargs):
+    def get_seq_length(self) -> int:
+        return self.used
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.used + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("crop: a sparse layer's entries are not one per token; assisted decoding is not "
+                                  "supported with XModCache")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.select_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.select_batch(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            picked = [i for i in range(self.batch) for _ in range(repeats)]
+            self.select_batch(torch.tensor(picked), picked)
+
+    def entries_per_sequence(self) -> list[int]:
+        """Valid entries of each sequence (one device read)."""
+        if not self.is_initialized:
+            return []
+        return [int(self.sequence(row)[2].sum()) for row in range(self.batch)]
+
+
+class DenseKVLayer(_KVLayer):
+    """K/V of a dense layer, which caches every token of every sequence (left padding as invalid
+    entries): preallocated buffers ``[batch, kv_heads, capacity, head_dim]`` and ``valid`` / ``positions``
+    ``[batch, capacity]``, every sequence at the same column. ``keys`` / ``values`` / ``valid`` /
+    ``positions`` are views of the columns in use. The buffers grow by an eighth (at least 16 columns)
+    when full: a decode step writes its entry, not a copy of the layer's cache (``torch.cat`` in
+    transformers' ``DynamicLayer``)."""
+
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.sparse = sparse
         self.valid: Optional[torch.Tensor] = None
         self.positions: Optional[torch.Tensor] = None
-        self.fills: list[int] = []
-        self._fills_device: Optional[torch.Tensor] = None
+        self.used = 0
         self._buffers: Optional[tuple[torch.Tensor, ...]] = None  # keys, values, valid, positions at full capacity
 
     @property
-    def used(self) -> int:
-        """Columns in use: the largest fill of any sequence."""
-        return max(self.fills, default=0)
+    def batch(self) -> int:
+        return 0 if self._buffers is None else self._buffers[0].shape[0]
 
     @property
     def capacity(self) -> int:
         return 0 if self._buffers is None else self._buffers[0].shape[2]
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                            batch: Optional[int] = None) -> None:
-        _, heads, _, dim = key_states.shape
-        batch = key_states.shape[0] if batch is None else batch
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
         self.device = key_states.device
-        self.fills = [0] * batch
-        self._fills_device = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._buffers = (key_states.new_empty(batch, heads, 0, dim), value_states.new_empty(batch, heads, 0, dim),
                          torch.zeros(batch, 0, dtype=torch.bool, device=self.device),
                          torch.full((batch, 0), -1, dtype=torch.long, device=self.device))
@@ -86,10 +108,134 @@ class SparseKVLayer(CacheLayerMixin):
                          torch.cat([positions, positions.new_full((positions.shape[0], pad), -1)], dim=1))
 
     def _set_views(self) -> None:
-        used = self.used
         keys, values, valid, positions = self._buffers
-        self.keys, self.values = keys[:, :, :used], values[:, :, :used]
-        self.valid, self.positions = valid[:, :used], positions[:, :used]
+        self.keys, self.values = keys[:, :, :self.used], values[:, :, :self.used]
+        self.valid, self.positions = valid[:, :self.used], positions[:, :self.used]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: Optional[torch.Tensor] = None,
+               positions: Optional[torch.Tensor] = None, rows: Optional[list[int]] = None, *args, **kwargs):
+        """Append ``[batch, kv_heads, new, head_dim]`` entries, one per token of every sequence. Returns
+        ``(keys, values, valid, new_columns)`` over the columns in use (``new_columns`` ``[batch, new]``:
+        the columns of the appended entries)."""
+        if rows is not None:
+            raise ValueError("rows: a dense layer's cache appends for every sequence of the batch")
+        batch, _, new, _ = key_states.shape
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, self.used = self.used, self.used + new
+        self._reserve(self.used)
+        keys, values, valid_buffer, position_buffer = self._buffers
+        keys[:, :, start:self.used] = key_states
+        values[:, :, start:self.used] = value_states
+        valid_buffer[:, start:self.used] = True if valid is None else valid
+        position_buffer[:, start:self.used] = -1 if positions is None else positions
+        self._set_views()
+        new_columns = torch.arange(start, self.used, device=keys.device).expand(batch, new)
+        return self.keys, self.values, self.valid, new_columns
+
+    def sequence(self, row: int) -> tuple[torch.Tensor, ...]:
+        """Views of sequence ``row``'s entries in use: keys and values ``[kv_heads, n, head_dim]``, valid and
+        positions ``[n]``."""
+        return self.keys[row], self.values[row], self.valid[row], self.positions[row]
+
+    def reset(self) -> None:
+        self.keys = self.values = self.valid = self.positions = self._buffers = None
+        self.used = 0
+        self.is_initialized = False
+
+    def offload(self):
+        if self.is_initialized:
+            self._buffers = tuple(t.to("cpu", non_blocking=True) for t in self._buffers)
+            self._set_views()
+
+    def prefetch(self):
+        if self.is_initialized and self._buffers[0].device != self.device:
+            self._buffers = tuple(t.to(self.device, non_blocking=True) for t in self._buffers)
+            self._set_views()
+
+    def select_batch(self, indices: torch.Tensor, picked: Optional[list[int]] = None) -> None:
+        """Keep the sequences ``indices`` (in that order)."""
+        if self.is_initialized:
+            indices = indices.to(self._buffers[0].device)
+            self._buffers = tuple(t.index_select(0, indices) for t in self._buffers)
+            self._set_views()
+
+    def nbytes(self, valid_only: bool = False, allocated: bool = False) -> int:
+        """Bytes of the keys and values in use; ``valid_only``: valid entries only; ``allocated``: the whole
+        preallocated buffers."""
+        if not self.is_initialized:
+            return 0
+        batch, heads, capacity, dim = self._buffers[0].shape
+        per_entry = heads * dim * (self._buffers[0].element_size() + self._buffers[1].element_size())
+        count = int(self.valid.sum()) if valid_only else batch * (capacity if allocated else self.used)
+        return count * per_entry
+
+
+class SparseKVLayer(_KVLayer):
+    """K/V of a sparse layer: one buffer per sequence (keys and values ``[capacity, kv_heads, head_dim]``,
+    ``valid`` / ``positions`` ``[capacity]``), each as long as that sequence's own entries (plus growth),
+    so a batch holds what each of its sequences routed and no padding: sequences route very different
+    numbers of tokens (one sparse layer of the batch-8 benchmark routed 4 to 82 of a prompt's 256), and
+    one buffer as wide as the busiest sequence held ~2.8x the valid entries at batch 8.
+
+    A pass over several tokens of several sequences (a prefill; the layer runs the same number of
+    tokens for each, padded to the most any routed) keeps each sequence's valid entries only, in order.
+    A decode step appends for the sequences that route their token (when a token's routing is too close
+    to call, the layer routes the whole batch itself and each sequence keeps an entry, invalid where not
+    routed). The fill of each sequence is kept on the host (``fills``: the model always knows how many
+    entries it appends where, so no write reads the device) and on the device (``_fills_device``: the
+    columns of a batched pass's new entries, without a copy from the host). A buffer grows by an eighth
+    (at least 16 entries) when full: an append is a write, not a copy of the sequence's cache.
+    """
+
+    sparse = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.fills: list[int] = []
+        self._fills_device: Optional[torch.Tensor] = None
+        self._sequences: list[Optional[tuple[torch.Tensor, ...]]] = []  # keys, values, valid, positions a sequence
+
+    @property
+    def batch(self) -> int:
+        return len(self.fills)
+
+    @property
+    def used(self) -> int:
+        """Entries of the longest sequence."""
+        return max(self.fills, default=0)
+
+    def capacity(self, row: int) -> int:
+        stored = self._sequences[row]
+        return 0 if stored is None else stored[0].shape[0]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                            batch: Optional[int] = None) -> None:
+        _, heads, _, dim = key_states.shape
+        batch = key_states.shape[0] if batch is None else batch
+        self.device = key_states.device
+        self._entry = (heads, dim, key_states.dtype, value_states.dtype)
+        self.fills = [0] * batch
+        self._fills_device = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self._sequences = [None] * batch
+        self.is_initialized = True
+
+    def _reserve(self, row: int, entries: int) -> tuple[torch.Tensor, ...]:
+        stored = self._sequences[row]
+        if entries <= self.capacity(row):
+            return stored
+        capacity = entries + max(16, entries // 8)
+        heads, dim, key_dtype, value_dtype = self._entry
+        grown = (torch.zeros(capacity, heads, dim, dtype=key_dtype, device=self.device),
+                 torch.zeros(capacity, heads, dim, dtype=value_dtype, device=self.device),
+                 torch.zeros(capacity, dtype=torch.bool, device=self.device),
+                 torch.full((capacity,), -1, dtype=torch.long, device=self.device))
+        if stored is not None:
+            fill = self.fills[row]
+            for buffer, old in zip(grown, stored):
+                buffer[:fill] = old[:fill]
+        self._sequences[row] = grown
+        return grown
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: Optional[torch.Tensor] = None,
                positions: Optional[torch.Tensor] = None, rows: Optional[list[int]] = None,
@@ -98,18 +244,16 @@ class SparseKVLayer(CacheLayerMixin):
         """Append ``new`` entries ``[n, kv_heads, new, head_dim]`` for the sequences ``rows`` (ascending batch
         rows; ``row_index`` the same on the device; None: every sequence) of a batch of ``batch``
         sequences (needed when the first append is for some of them); ``several_tokens``: the pass runs
-        several tokens a sequence (a prefill), so padding is worth a read of the counts. Returns ``(keys, values,
-        valid, new_columns)`` of those sequences over the columns any of them uses, ``new_columns``
-        ``[n, new]`` the columns of the appended entries (four values where transformers' layers return
-        keys and values: the model's attention reads all four). Keys and values of a part of the batch
-        that is not a run of consecutive sequences are copies (``index_select``) of their columns."""
+        several tokens a sequence (a prefill), so keeping its valid entries only is worth a read of the
+        counts. Returns ``(keys, values, valid, new_columns)`` of those sequences (``[n, kv_heads, keys,
+        head_dim]``, ``[n, keys]``; ``new_columns`` ``[n, new]`` the columns of this pass's entries; four
+        values where transformers' layers return keys and values: the model's attention reads all four).
+        One sequence: views of its buffers. Several: their entries so far padded to the longest, then
+        this pass's entries (each sequence's valid ones first)."""
         n, _, new, _ = key_states.shape
-        # A sparse layer's pass over several tokens of a batch pads each sequence to the busiest: its valid
-        # entries go first and the padding after them, past its fill, where its next entries overwrite it;
-        # decode steps then attend to valid entries only. One read of the counts (a prefill's).
-        compact = self.sparse and several_tokens and valid is not None and n > 1
+        compact = several_tokens and valid is not None and n > 1
         added = valid.sum(1) if compact else None
-        counts = added.tolist() if compact else [new] * n
+        counts = added.tolist() if compact else [new] * n  # a prefill's one read of the counts
         compact = compact and min(counts) < new
         if valid is None:
             valid = torch.ones(n, new, dtype=torch.bool, device=key_states.device)
@@ -121,110 +265,111 @@ class SparseKVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states, batch)
         every = rows is None
         if every:
-            rows = list(range(len(self.fills)))
+            rows = list(range(self.batch))
+        entries = (key_states.transpose(1, 2), value_states.transpose(1, 2), valid, positions)  # [n, new, ...]
+        steps = torch.arange(new, device=key_states.device)
+        if n == 1:  # one sequence (a decode step's routing sequence, or batch 1): write, then views, no copy
+            row, start = rows[0], self.fills[rows[0]]
+            stored = self._reserve(row, start + new)
+            for buffer, entry in zip(stored, entries):
+                buffer[start:start + new] = entry[0]
+            self.fills[row] += new
+            self._fills_device[row] += new
+            keys, values, key_valid = (buffer[:start + new] for buffer in stored[:3])
+            return keys.transpose(0, 1)[None], values.transpose(0, 1)[None], key_valid[None], (start + steps)[None]
         starts = [self.fills[r] for r in rows]
         width = max(starts) + new
-        self._reserve(width)
-        keys, values, valid_buffer, position_buffer = self._buffers
-        steps = torch.arange(new, device=keys.device)
-        if every and min(starts) == width - new and not compact:  # every sequence at the same column
-            start = width - new
-            keys[:, :, start:width] = key_states
-            values[:, :, start:width] = value_states
-            valid_buffer[:, start:width] = valid
-            position_buffer[:, start:width] = positions
-            self._fills_device += new
-            new_columns = (start + steps).expand(n, new)
-        else:
-            if every:
-                row_index = torch.arange(len(rows), device=keys.device)
-            elif row_index is None:
-                row_index = torch.tensor(rows, device=keys.device)  # a host-to-device copy: pass row_index
-            index = row_index[:, None]
-            if compact:
-                order = torch.where(valid, valid.cumsum(1), added[:, None] + (~valid).cumsum(1)) - 1
-            else:
-                added, order = torch.full_like(row_index, new), steps
-            new_columns = self._fills_device[row_index][:, None] + order
-            keys[index, :, new_columns] = key_states.transpose(1, 2)
-            values[index, :, new_columns] = value_states.transpose(1, 2)
-            valid_buffer[index, new_columns] = valid
-            position_buffer[index, new_columns] = positions
-            self._fills_device.index_add_(0, row_index, added)
-        for r, count in zip(rows, counts):
-            self.fills[r] += count
-        self._set_views()
         if every:
-            return keys[:, :, :width], values[:, :, :width], valid_buffer[:, :width], new_columns
-        if rows[-1] - rows[0] == len(rows) - 1:  # consecutive sequences (one, typically): views, no copy
-            picked = slice(rows[0], rows[-1] + 1)
-            return keys[picked, :, :width], values[picked, :, :width], valid_buffer[picked, :width], new_columns
-        return (keys[:, :, :width].index_select(0, row_index), values[:, :, :width].index_select(0, row_index),
-                valid_buffer[:, :width].index_select(0, row_index), new_columns)
+            row_index = torch.arange(n, device=key_states.device)
+        elif row_index is None:
+            row_index = torch.tensor(rows, device=key_states.device)  # a host-to-device copy: pass row_index
+        if compact:  # each sequence's valid entries first, in order, the padding after them
+            order = torch.where(valid, valid.cumsum(1), added[:, None] + (~valid).cumsum(1)) - 1
+        else:
+            added, order = torch.full_like(row_index, new), steps
+        new_columns = self._fills_device[row_index][:, None] + order
+        heads, dim, _, _ = self._entry
+        padded = (entries[0].new_zeros(n, width, heads, dim), entries[1].new_zeros(n, width, heads, dim),
+                  valid.new_zeros(n, width), positions.new_full((n, width), -1))
+        for i, (row, start) in enumerate(zip(rows, starts)):
+            if start:
+                for buffer, old in zip(padded, self._sequences[row]):
+                    buffer[i, :start] = old[:start]
+        sequence_index = torch.arange(n, device=key_states.device)[:, None]
+        for buffer, entry in zip(padded, entries):
+            buffer[sequence_index, new_columns] = entry
+        for i, (row, start, count) in enumerate(zip(rows, starts, counts)):
+            if count:
+                for buffer, kept in zip(self._reserve(row, start + count), padded):
+                    buffer[start:start + count] = kept[i, start:start + count]
+            self.fills[row] += count
+        self._fills_device.index_add_(0, row_index, added)
+        return padded[0].transpose(1, 2), padded[1].transpose(1, 2), padded[2], new_columns
 
-    def get_seq_length(self) -> int:
-        return self.used
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.used + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
+    def sequence(self, row: int) -> tuple[torch.Tensor, ...]:
+        """Views of sequence ``row``'s entries: keys and values ``[kv_heads, n, head_dim]``, valid and
+        positions ``[n]``."""
+        fill, stored = self.fills[row], self._sequences[row]
+        if stored is None:
+            heads, dim, key_dtype, value_dtype = self._entry
+            return (torch.zeros(heads, 0, dim, dtype=key_dtype, device=self.device),
+                    torch.zeros(heads, 0, dim, dtype=value_dtype, device=self.device),
+                    torch.zeros(0, dtype=torch.bool, device=self.device),
+                    torch.zeros(0, dtype=torch.long, device=self.device))
+        keys, values, valid, positions = (buffer[:fill] for buffer in stored)
+        return keys.transpose(0, 1), values.transpose(0, 1), valid, positions
 
     def reset(self) -> None:
-        self.keys = self.values = self.valid = self.positions = self._buffers = self._fills_device = None
-        self.fills = []
+        self._sequences, self.fills, self._fills_device = [], [], None
         self.is_initialized = False
+
+    def _move(self, device) -> None:
+        self._sequences = [None if stored is None else tuple(t.to(device, non_blocking=True) for t in stored)
+                           for stored in self._sequences]
+        self._fills_device = self._fills_device.to(device, non_blocking=True)
 
     def offload(self):
         if self.is_initialized:
-            self._buffers = tuple(t.to("cpu", non_blocking=True) for t in self._buffers)
-            self._fills_device = self._fills_device.to("cpu", non_blocking=True)
-            self._set_views()
+            self._move("cpu")
 
     def prefetch(self):
-        if self.is_initialized and self._buffers[0].device != self.device:
-            self._buffers = tuple(t.to(self.device, non_blocking=True) for t in self._buffers)
-            self._fills_device = self._fills_device.to(self.device, non_blocking=True)
-            self._set_views()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("crop: a sparse layer's entries are not one per token; assisted decoding is not "
-                                  "supported with XModCache")
+        if self.is_initialized and self._fills_device.device != self.device:
+            self._move(self.device)
 
     def select_batch(self, indices: torch.Tensor, picked: Optional[list[int]] = None) -> None:
-        """Keep the sequences ``indices`` (in that order; ``picked``: the same on the host, else read)."""
+        """Keep the sequences ``indices`` (in that order; ``picked``: the same on the host, else read). A
+        sequence kept twice (beam search) gets a copy of its buffers."""
         if self.is_initialized:
-            indices = indices.to(self._buffers[0].device)
-            self._buffers = tuple(t.index_select(0, indices) for t in self._buffers)
-            self._fills_device = self._fills_device.index_select(0, indices)
-            self.fills = [self.fills[i] for i in (indices.tolist() if picked is None else picked)]
-            self._set_views()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.select_batch(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.select_batch(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            picked = [i for i in range(len(self.fills)) for _ in range(repeats)]
-            self.select_batch(torch.tensor(picked), picked)
+            picked = indices.tolist() if picked is None else picked
+            kept, sequences = set(), []
+            for row in picked:
+                stored = self._sequences[row]
+                if row in kept and stored is not None:
+                    stored = tuple(t.clone() for t in stored)
+                kept.add(row)
+                sequences.append(stored)
+            self._sequences = sequences
+            self._fills_device = self._fills_device.index_select(0, indices.to(self._fills_device.device))
+            self.fills = [self.fills[row] for row in picked]
 
     def nbytes(self, valid_only: bool = False, allocated: bool = False) -> int:
-        """Bytes of the keys and values in use (every sequence's columns up to the largest fill);
-        ``valid_only``: valid entries only; ``allocated``: the whole preallocated buffers."""
+        """Bytes of the keys and values in use (each sequence's entries); ``valid_only``: valid entries
+        only; ``allocated``: the whole buffers."""
         if not self.is_initialized:
             return 0
-        batch, heads, capacity, dim = self._buffers[0].shape
-        per_entry = heads * dim * (self._buffers[0].element_size() + self._buffers[1].element_size())
-        count = int(self.valid.sum()) if valid_only else batch * (capacity if allocated else self.used)
+        heads, dim, key_dtype, value_dtype = self._entry
+        per_entry = heads * dim * (torch.empty((), dtype=key_dtype).element_size()
+                                   + torch.empty((), dtype=value_dtype).element_size())
+        if valid_only:
+            count = sum(self.entries_per_sequence())
+        else:
+            count = sum(map(self.capacity, range(self.batch))) if allocated else sum(self.fills)
         return count * per_entry
 
 
 class XModCache(Cache):
-    """One :class:`SparseKVLayer` per decoder layer; ``get_seq_length`` counts tokens seen (not entries)."""
+    """A :class:`SparseKVLayer` per sparse decoder layer, a :class:`DenseKVLayer` per dense one;
+    ``get_seq_length`` counts tokens seen (not entries)."""
 
     def __init__(self, config=None, num_layers: Optional[int] = None, sparse_layers: Optional[list] = None):
         if config is not None:
@@ -233,7 +378,7 @@ class XModCache(Cache):
         if num_layers is None:
             raise ValueError("num_layers: XModCache needs the model config or the number of layers")
         sparse_layers = sparse_layers or [False] * num_layers
-        super().__init__(layers=[SparseKVLayer(sparse=bool(s)) for s in sparse_layers])
+        super().__init__(layers=[SparseKVLayer() if s else DenseKVLayer() for s in sparse_layers])
         self.seen_tokens = 0
         self.sequences: Optional[int] = None  # the batch size of the current pass (begin_pass)
         self.pass_tokens = 0  # tokens a sequence of the current pass
@@ -287,7 +432,7 @@ class XModCache(Cache):
 
     def entries(self) -> list[int]:
         """Valid cached entries per layer (summed over the batch)."""
-        return [0 if layer.valid is None else int(layer.valid.sum()) for layer in self.layers]
+        return [sum(layer.entries_per_sequence()) for layer in self.layers]
 
 
 def dense_cache_bytes(config, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> int:
