@@ -213,6 +213,31 @@ def test_left_padded_batch_generation_equals_one_by_one(xmod_hf):
         assert torch.equal(together[row, width:], alone[0, len(p):]), row
 
 
+def test_prefill_without_padding_attends_causally_without_a_mask(xmod_hf, monkeypatch):
+    """A first pass without padding runs every layer's attention as plain causal attention (no mask: the
+    kernel skips the blocks above the diagonal; a sparse layer's routed tokens come first, its padding
+    after them) and gives the logits of the masked path, which a padded batch takes."""
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal", False)))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    tokens = _tokens(batch=3, length=SEQ, seed=11)
+    with torch.no_grad():
+        causal = xmod_hf(tokens).logits
+        assert calls and set(calls) == {(True, True)}, calls
+        calls.clear()
+        padded = tokens.clone()
+        padded[2, :3] = PAD
+        mask = torch.ones_like(tokens)
+        mask[2, :3] = 0
+        masked = xmod_hf(padded, attention_mask=mask).logits
+    assert calls and set(calls) == {(False, False)}, calls
+    torch.testing.assert_close(masked[:2], causal[:2], rtol=0, atol=1e-5)
+
+
 def test_sparse_cache_holds_only_routed_tokens(xmod_hf):
     cfg = xmod_hf.config
     cache = XModCache(cfg)

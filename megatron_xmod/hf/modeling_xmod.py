@@ -33,15 +33,15 @@ try:  # an exported folder: the verbatim copies next to this file
     from .cache import XModCache
     from .configuration_xmod import XModHFConfig
     from .moe_scores import normalize_routing_logits, top_p_routing, topk_routing
-    from .routing import adjusted_logits, gated_residual, padded_selection, route, update_token_choice_bias
+    from .routing import adjusted_logits, capacity_selection, gated_residual, route, update_token_choice_bias
 except ImportError:  # inside the megatron_xmod package
     from megatron_xmod.hf.cache import XModCache
     from megatron_xmod.hf.configuration_xmod import XModHFConfig
     from megatron_xmod.moe.scores import normalize_routing_logits, top_p_routing, topk_routing
     from megatron_xmod.xmod.routing import (
         adjusted_logits,
+        capacity_selection,
         gated_residual,
-        padded_selection,
         route,
         update_token_choice_bias,
     )
@@ -123,13 +123,16 @@ class XModAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                 cache: Optional[XModCache] = None, documents: Optional[torch.Tensor] = None,
                 rows: Optional[list[int]] = None, row_index: Optional[torch.Tensor] = None,
-                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, causal: bool = False) -> torch.Tensor:
         """``x`` ``[b, m, h]``: the tokens this layer processes, in order; ``valid`` ``[b, m]``: which of
         them other tokens may attend to (not padding). Each token attends causally to the valid
         tokens of this layer before it (cached ones included) and to itself; with ``documents``
         ``[b, m]`` (packed inputs, no cache: :func:`packed_documents`) only to those of its own document.
         ``rows`` / ``row_index``: the batch rows of the cache that ``x`` belongs to (None: all); ``rope``:
-        :func:`rotary_tables` at ``positions`` (None: computed here)."""
+        :func:`rotary_tables` at ``positions`` (None: computed here). ``causal``: nothing cached before
+        this pass and every token before a valid one is valid (a prefill without padding, whose
+        padding, if any, comes after the valid tokens): plain causal attention, without a mask, which
+        lets the attention kernel skip the blocks above the diagonal."""
         b, m, _ = x.shape
         q = self.q_proj(x).view(b, m, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, m, self.groups, self.head_dim)
@@ -144,11 +147,15 @@ class XModAttention(nn.Module):
             k, v, key_valid, new_columns = cache.update(k, v, self.layer_idx, valid, positions, rows, row_index)
         else:
             key_valid, new_columns = valid, torch.arange(m, device=x.device).expand(b, m)
-        allowed = attention_mask(key_valid, new_columns)
-        if documents is not None:
-            allowed = allowed & (documents[:, :, None] == documents[:, None, :])
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), scale=1.0 / math.sqrt(self.head_dim),
-                                             enable_gqa=self.heads != self.groups)
+        if causal:
+            allowed = None
+        else:
+            allowed = attention_mask(key_valid, new_columns)
+            if documents is not None:
+                allowed = allowed & (documents[:, :, None] == documents[:, None, :])
+            allowed = allowed.unsqueeze(1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=causal,
+                                             scale=1.0 / math.sqrt(self.head_dim), enable_gqa=self.heads != self.groups)
         return self.o_proj(out.transpose(1, 2).reshape(b, m, self.heads * self.head_dim))
 
 
@@ -276,14 +283,18 @@ class XModDecoderLayer(nn.Module):
         dtype, then the router's bias added in fp32 (its routing step adds the bias)."""
         return F.linear(x, self.router.weight).squeeze(-1).float() + self.router.bias.float()
 
-    def _attention_and_mlp(self, x, positions, valid, cache, documents=None, rows=None, row_index=None, rope=None):
-        attention = self.self_attn(self.input_layernorm(x), positions, valid, cache, documents, rows, row_index, rope)
+    def _attention_and_mlp(self, x, positions, valid, cache, documents=None, rows=None, row_index=None, rope=None,
+                           causal=False):
+        attention = self.self_attn(self.input_layernorm(x), positions, valid, cache, documents, rows, row_index, rope,
+                                   causal)
         return attention, self.mlp(self.post_attention_layernorm(x + attention))
 
     def forward(self, x, positions, valid, cache=None, carried_bias=None, rule="threshold", routes_one=False,
-                documents=None, rope=None, routed=None):
+                documents=None, rope=None, routed=None, causal=False):
         """Returns (x, token-choice bias after this layer or None for a dense layer). ``documents``:
-        the document of each token of a packed input (attention stays inside it).
+        the document of each token of a packed input (attention stays inside it). ``causal``: a pass
+        with nothing cached before it and no padding (:meth:`XModAttention.forward`); a sparse layer's
+        routed tokens then come first in each sequence, its padding after them.
 
         ``routes_one``: a decode step (one new token per sequence) known to route at least one of them
         here (:meth:`XModModel._decode_sparse_run`): the batch takes the static one-entry shape
@@ -292,7 +303,7 @@ class XModDecoderLayer(nn.Module):
         if routed is not None:
             return self._forward_routed(x, positions, valid, cache, carried_bias, rope, *routed)
         if not self.sparse:
-            attention, mlp = self._attention_and_mlp(x, positions, valid, cache, documents, rope=rope)
+            attention, mlp = self._attention_and_mlp(x, positions, valid, cache, documents, rope=rope, causal=causal)
             return x + attention + mlp, None
         cfg = self.config
         logits = self.router_logits(x)  # [b, n]
@@ -305,7 +316,8 @@ class XModDecoderLayer(nn.Module):
         elif routes_one and x.shape[1] == 1:
             indices, keep = torch.zeros_like(decision.selected, dtype=torch.long), decision.selected
         else:
-            indices, keep = padded_selection(decision.selected)
+            # each sequence's routed tokens in order, then padding: causal among them keeps it out of their attention
+            indices, keep, _ = capacity_selection(decision.selected)
             if indices is None:  # no token of this step is routed here: nothing to attend, nothing cached
                 return x, bias
         indices = indices.t()  # [b, k]
@@ -317,7 +329,7 @@ class XModDecoderLayer(nn.Module):
         attention, mlp = self._attention_and_mlp(routed, torch.gather(positions, 1, indices),
                                                  keep & torch.gather(valid, 1, indices), cache,
                                                  None if documents is None else torch.gather(documents, 1, indices),
-                                                 rope=rope)
+                                                 rope=rope, causal=causal)
         r = torch.sigmoid(torch.gather(decision.scores.t(), 1, indices)).to(x.dtype)
         # Eq.(7) x + varsigma * r * (a + f), or Eq.(6) x + a + r * f (MoD)
         delta, gate = gated_residual(cfg.routing_family, attention, mlp, r, getattr(self, "gate_scale", None),
@@ -445,6 +457,8 @@ class XModModel(XModPreTrainedModel):
                 cache, documents = None, documents.expand(b, n)
         position_ids = position_ids.expand(b, n)
         rope = rotary_tables(cfg, position_ids, x.dtype)
+        # a first pass over one document a row without padding: causal attention without a mask (a prefill's read)
+        causal = past == 0 and n > 1 and documents is None and (attention_mask is None or bool(valid.all()))
         decoding = self.decode_skips_unrouted and cache is not None and n == 1 and rule == "threshold"
         bias = None  # token-choice bias of this pass's tokens, from the sparse layer just run
         i = 0
@@ -453,7 +467,7 @@ class XModModel(XModPreTrainedModel):
                 i, x, bias = self._decode_sparse_run(i, x, position_ids, valid, cache, rope)
                 continue
             x, bias = self.layers[i](x, position_ids, valid, cache, bias if cfg.carries_bias(i) else None, rule,
-                                     documents=documents, rope=rope)
+                                     documents=documents, rope=rope, causal=causal)
             i += 1
         if cache is not None:
             cache.advance(n)
