@@ -245,6 +245,30 @@ def test_sparse_layers_hold_each_sequences_entries_without_padding():
             assert layer.capacity(row) <= fill + max(16, fill // 8), (row, fill, layer.capacity(row))
 
 
+def test_batched_prefill_runs_each_sequences_routed_tokens_only():
+    """A batched prefill runs a sparse layer's MLP on the tokens its sequences routed, packed, not on
+    every sequence padded to the busiest one's count, and gives each prompt's logits alone."""
+    model = routed_model()
+    prompts = [prompt(1, 40, seed=5)[0], prompt(1, 12, seed=6)[0], prompt(1, 31, seed=7)[0], prompt(1, 22, seed=8)[0]]
+    batch, mask = left_padded(prompts, PAD)
+    sparse = [i for i, layer in enumerate(model.model.layers) if layer.sparse]
+    rows = {}
+    hooks = [model.model.layers[i].mlp.register_forward_hook(
+        lambda module, args, out, i=i: rows.__setitem__(i, args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+        for i in sparse]
+    with torch.no_grad():
+        cache = XModCache(model.config)
+        logits = model(batch, attention_mask=mask, cache=cache).logits[:, -1]
+    for hook in hooks:
+        hook.remove()
+    assert [rows.get(i, 0) for i in sparse] == [sum(cache.layers[i].fills) for i in sparse]
+    assert sum(rows.values()) < 0.8 * sum(len(prompts) * cache.layers[i].used for i in sparse)
+    for row, p in enumerate(prompts):
+        with torch.no_grad():
+            alone = model(p[None]).logits[:, -1]
+        torch.testing.assert_close(logits[row], alone[0], rtol=0, atol=1e-5)
+
+
 def test_cache_appends_write_into_preallocated_buffers():
     """A decode step writes its entries into the layer's buffers (no copy of the cache per token) until
     they are full; then they grow, keeping every entry."""

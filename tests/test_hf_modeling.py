@@ -215,8 +215,9 @@ def test_left_padded_batch_generation_equals_one_by_one(xmod_hf):
 
 def test_prefill_without_padding_attends_causally_without_a_mask(xmod_hf, monkeypatch):
     """A first pass without padding runs every layer's attention as plain causal attention (no mask: the
-    kernel skips the blocks above the diagonal; a sparse layer's routed tokens come first, its padding
-    after them) and gives the logits of the masked path, which a padded batch takes."""
+    kernel skips the blocks above the diagonal) and gives the logits of the masked path, which a padded
+    batch's dense layers take (its sparse layers attend among each sequence's routed tokens, padding
+    never among them: causal still)."""
     calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
 
     def recording(*args, **kwargs):
@@ -234,7 +235,8 @@ def test_prefill_without_padding_attends_causally_without_a_mask(xmod_hf, monkey
         mask = torch.ones_like(tokens)
         mask[2, :3] = 0
         masked = xmod_hf(padded, attention_mask=mask).logits
-    assert calls and set(calls) == {(False, False)}, calls
+    dense_layers = sum(not layer.sparse for layer in xmod_hf.model.layers)
+    assert calls.count((False, False)) == dense_layers and set(calls) == {(False, False), (True, True)}, calls
     torch.testing.assert_close(masked[:2], causal[:2], rtol=0, atol=1e-5)
 
 

@@ -33,14 +33,13 @@ try:  # an exported folder: the verbatim copies next to this file
     from .cache import XModCache
     from .configuration_xmod import XModHFConfig
     from .moe_scores import normalize_routing_logits, top_p_routing, topk_routing
-    from .routing import adjusted_logits, capacity_selection, gated_residual, route, update_token_choice_bias
+    from .routing import adjusted_logits, gated_residual, route, update_token_choice_bias
 except ImportError:  # inside the megatron_xmod package
     from megatron_xmod.hf.cache import XModCache
     from megatron_xmod.hf.configuration_xmod import XModHFConfig
     from megatron_xmod.moe.scores import normalize_routing_logits, top_p_routing, topk_routing
     from megatron_xmod.xmod.routing import (
         adjusted_logits,
-        capacity_selection,
         gated_residual,
         route,
         update_token_choice_bias,
@@ -293,8 +292,7 @@ class XModDecoderLayer(nn.Module):
                 documents=None, rope=None, routed=None, causal=False):
         """Returns (x, token-choice bias after this layer or None for a dense layer). ``documents``:
         the document of each token of a packed input (attention stays inside it). ``causal``: a pass
-        with nothing cached before it and no padding (:meth:`XModAttention.forward`); a sparse layer's
-        routed tokens then come first in each sequence, its padding after them.
+        with nothing cached before it and no padding (:meth:`XModAttention.forward`).
 
         ``routes_one``: a decode step (one new token per sequence) known to route at least one of them
         here (:meth:`XModModel._decode_sparse_run`): the batch takes the static one-entry shape
@@ -316,10 +314,8 @@ class XModDecoderLayer(nn.Module):
         elif routes_one and x.shape[1] == 1:
             indices, keep = torch.zeros_like(decision.selected, dtype=torch.long), decision.selected
         else:
-            # each sequence's routed tokens in order, then padding: causal among them keeps it out of their attention
-            indices, keep, _ = capacity_selection(decision.selected)
-            if indices is None:  # no token of this step is routed here: nothing to attend, nothing cached
-                return x, bias
+            first_pass = documents is None and (cache is None or cache.get_seq_length() == 0)
+            return self._forward_ragged(x, positions, valid, cache, decision, documents, rope, first_pass), bias
         indices = indices.t()  # [b, k]
         keep = torch.ones_like(indices, dtype=torch.bool) if keep is None else keep.t()
         routed = torch.gather(x, 1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
@@ -336,6 +332,44 @@ class XModDecoderLayer(nn.Module):
                                      keep.to(x.dtype))
         update = gate.unsqueeze(-1) * delta
         return x.scatter_add(1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]), update), bias
+
+    def _forward_ragged(self, x, positions, valid, cache, decision, documents, rope, first_pass):
+        """The threshold rule's routed tokens of a pass, each sequence's own (padding tokens, ``valid``
+        False, take no part): attention runs sequence by sequence on its routed tokens (the cache appends
+        its entries), the norms and the MLP on all of them packed, so no sequence computes padding up to
+        the busiest one's count (at batch 8 a sparse layer's busiest sequence routed up to ~3x the mean).
+        One device read: the routed tokens a sequence. ``first_pass``: nothing cached before this pass and
+        one document a row, so each sequence's routed tokens attend causally without a mask."""
+        cfg = self.config
+        b, n, h = x.shape
+        selected = decision.selected.t() & valid  # [b, n]
+        counts = selected.sum(1).tolist()  # the one device read
+        total = sum(counts)
+        if total == 0:  # no token of this pass is routed here: nothing to attend, nothing cached
+            return x
+        # a stable sort of "not routed" puts the routed tokens first, sequence by sequence, in order
+        picked = torch.argsort(~selected.reshape(-1), stable=True)[:total]
+        tokens = x.reshape(b * n, h).index_select(0, picked)
+        token_positions = positions.reshape(-1).index_select(0, picked)
+        rope = rotary_tables(cfg, positions, x.dtype) if rope is None else rope
+        cos, sin = (t.reshape(b * n, -1).index_select(0, picked) for t in rope)
+        token_documents = None if documents is None else documents.reshape(-1).index_select(0, picked)
+        normed = self.input_layernorm(tokens)
+        attention, start = [], 0
+        for row, count in enumerate(counts):
+            if count:
+                part = slice(start, start + count)
+                attention.append(self.self_attn(
+                    normed[None, part], token_positions[None, part], selected.new_ones(1, count), cache,
+                    None if token_documents is None else token_documents[None, part], rows=[row],
+                    rope=(cos[None, part], sin[None, part]), causal=first_pass))
+                start += count
+        attention = torch.cat(attention, dim=1)[0]  # [routed tokens, h]
+        mlp = self.mlp(self.post_attention_layernorm(tokens + attention))
+        r = torch.sigmoid(decision.scores.t().reshape(-1).index_select(0, picked)).to(x.dtype)
+        # Eq.(7) x + varsigma * r * (a + f), or Eq.(6) x + a + r * f (MoD)
+        delta, gate = gated_residual(cfg.routing_family, attention, mlp, r, getattr(self, "gate_scale", None))
+        return x.reshape(b * n, h).index_add(0, picked, gate.unsqueeze(-1) * delta).view(b, n, h)
 
     def _forward_routed(self, x, positions, valid, cache, carried_bias, rope, selected, rows=None, row_index=None):
         """A decode step (one new token a sequence) whose routing is known: ``selected`` ``[b, 1]``, the
