@@ -6,13 +6,11 @@ threshold rule), a dense layer's by one per token. Keys are stored after RoPE, i
 original position, which is also kept (``positions``) for inspection.
 
 In a batch, sequences route different tokens, so a sparse layer keeps one buffer per sequence, as
-long as that sequence's entries: a pass over several tokens (a prefill) runs a sparse layer on the same
-number of tokens for every sequence (the most any sequence routed; the surplus is padding, ``valid``
-False, the same padding the megatron layer uses for threshold routing), and each sequence keeps its
-valid entries only. A decode step appends only for the sequences that route their new token (when a
-token's routing is too close to call, the layer routes the whole batch itself and every sequence gets
-an entry, invalid where not routed). A dense layer keeps every token of every sequence in one batched
-buffer; left padding enters it as invalid entries. Attention reads ``valid`` as its key mask.
+long as that sequence's entries: a pass (a prefill or a decode step) appends each sequence's routed
+tokens on their own, for the sequences that route any (when a decode token's routing is too close to
+call and the layer knows only that some sequence routes its token, every sequence gets an entry,
+invalid where not routed). A dense layer keeps every token of every sequence in one batched buffer;
+left padding enters it as invalid entries. Attention reads ``valid`` as its key mask.
 
 The token-choice bias (Eq.8 of the X-MoD paper) needs no cache: a token's bias in a layer depends
 only on its own decisions in the previous sparse layers of the block, all taken in the forward pass
@@ -178,14 +176,13 @@ class SparseKVLayer(_KVLayer):
     numbers of tokens (one sparse layer of the batch-8 benchmark routed 4 to 82 of a prompt's 256), and
     one buffer as wide as the busiest sequence held ~2.8x the valid entries at batch 8.
 
-    A pass over several tokens of several sequences (a prefill; the layer runs the same number of
-    tokens for each, padded to the most any routed) keeps each sequence's valid entries only, in order.
-    A decode step appends for the sequences that route their token (when a token's routing is too close
-    to call, the layer routes the whole batch itself and each sequence keeps an entry, invalid where not
-    routed). The fill of each sequence is kept on the host (``fills``: the model always knows how many
-    entries it appends where, so no write reads the device) and on the device (``_fills_device``: the
-    columns of a batched pass's new entries, without a copy from the host). A buffer grows by an eighth
-    (at least 16 entries) when full: an append is a write, not a copy of the sequence's cache.
+    The model appends each sequence's routed tokens of a pass (a prefill's or a decode step's) on their
+    own; the one batched append is a decode step's whose routing was decided for the whole batch without
+    reading it (each sequence keeps an entry, invalid where not routed). The fill of each sequence is
+    kept on the host (``fills``: the model always knows how many entries it appends where, so no write
+    reads the device) and on the device (``_fills_device``: the columns of a batched append's entries,
+    without a copy from the host). A buffer grows by an eighth (at least 16 entries) when full: an
+    append is a write, not a copy of the sequence's cache.
     """
 
     sparse = True
@@ -239,22 +236,16 @@ class SparseKVLayer(_KVLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: Optional[torch.Tensor] = None,
                positions: Optional[torch.Tensor] = None, rows: Optional[list[int]] = None,
-               row_index: Optional[torch.Tensor] = None, batch: Optional[int] = None, several_tokens: bool = False,
-               *args, **kwargs):
+               row_index: Optional[torch.Tensor] = None, batch: Optional[int] = None, *args, **kwargs):
         """Append ``new`` entries ``[n, kv_heads, new, head_dim]`` for the sequences ``rows`` (ascending batch
         rows; ``row_index`` the same on the device; None: every sequence) of a batch of ``batch``
-        sequences (needed when the first append is for some of them); ``several_tokens``: the pass runs
-        several tokens a sequence (a prefill), so keeping its valid entries only is worth a read of the
-        counts. Returns ``(keys, values, valid, new_columns)`` of those sequences (``[n, kv_heads, keys,
-        head_dim]``, ``[n, keys]``; ``new_columns`` ``[n, new]`` the columns of this pass's entries; four
-        values where transformers' layers return keys and values: the model's attention reads all four).
-        One sequence: views of its buffers. Several: their entries so far padded to the longest, then
-        this pass's entries (each sequence's valid ones first)."""
+        sequences (needed when the first append is for some of them). Returns ``(keys, values, valid,
+        new_columns)`` of those sequences (``[n, kv_heads, keys, head_dim]``, ``[n, keys]``; ``new_columns``
+        ``[n, new]`` the columns of this pass's entries; four values where transformers' layers return keys
+        and values: the model's attention reads all four). One sequence (a prefill's or a decode step's
+        routing sequence, the model's usual call): views of its buffer, no copy. Several: their entries so
+        far padded to the longest, then this pass's."""
         n, _, new, _ = key_states.shape
-        compact = several_tokens and valid is not None and n > 1
-        added = valid.sum(1) if compact else None
-        counts = added.tolist() if compact else [new] * n  # a prefill's one read of the counts
-        compact = compact and min(counts) < new
         if valid is None:
             valid = torch.ones(n, new, dtype=torch.bool, device=key_states.device)
         if positions is None:
@@ -268,7 +259,7 @@ class SparseKVLayer(_KVLayer):
             rows = list(range(self.batch))
         entries = (key_states.transpose(1, 2), value_states.transpose(1, 2), valid, positions)  # [n, new, ...]
         steps = torch.arange(new, device=key_states.device)
-        if n == 1:  # one sequence (a decode step's routing sequence, or batch 1): write, then views, no copy
+        if n == 1:
             row, start = rows[0], self.fills[rows[0]]
             stored = self._reserve(row, start + new)
             for buffer, entry in zip(stored, entries):
@@ -278,32 +269,24 @@ class SparseKVLayer(_KVLayer):
             keys, values, key_valid = (buffer[:start + new] for buffer in stored[:3])
             return keys.transpose(0, 1)[None], values.transpose(0, 1)[None], key_valid[None], (start + steps)[None]
         starts = [self.fills[r] for r in rows]
-        width = max(starts) + new
         if every:
             row_index = torch.arange(n, device=key_states.device)
         elif row_index is None:
             row_index = torch.tensor(rows, device=key_states.device)  # a host-to-device copy: pass row_index
-        if compact:  # each sequence's valid entries first, in order, the padding after them
-            order = torch.where(valid, valid.cumsum(1), added[:, None] + (~valid).cumsum(1)) - 1
-        else:
-            added, order = torch.full_like(row_index, new), steps
-        new_columns = self._fills_device[row_index][:, None] + order
+        new_columns = self._fills_device[row_index][:, None] + steps
         heads, dim, _, _ = self._entry
+        width = max(starts) + new
         padded = (entries[0].new_zeros(n, width, heads, dim), entries[1].new_zeros(n, width, heads, dim),
                   valid.new_zeros(n, width), positions.new_full((n, width), -1))
         for i, (row, start) in enumerate(zip(rows, starts)):
-            if start:
-                for buffer, old in zip(padded, self._sequences[row]):
-                    buffer[i, :start] = old[:start]
-        sequence_index = torch.arange(n, device=key_states.device)[:, None]
+            stored = self._reserve(row, start + new)
+            for buffer, old, entry in zip(padded, stored, entries):
+                buffer[i, :start] = old[:start]
+                old[start:start + new] = entry[i]
+            self.fills[row] += new
         for buffer, entry in zip(padded, entries):
-            buffer[sequence_index, new_columns] = entry
-        for i, (row, start, count) in enumerate(zip(rows, starts, counts)):
-            if count:
-                for buffer, kept in zip(self._reserve(row, start + count), padded):
-                    buffer[start:start + count] = kept[i, start:start + count]
-            self.fills[row] += count
-        self._fills_device.index_add_(0, row_index, added)
+            buffer[torch.arange(n, device=key_states.device)[:, None], new_columns] = entry
+        self._fills_device.index_add_(0, row_index, torch.full_like(row_index, new))
         return padded[0].transpose(1, 2), padded[1].transpose(1, 2), padded[2], new_columns
 
     def sequence(self, row: int) -> tuple[torch.Tensor, ...]:
@@ -381,12 +364,11 @@ class XModCache(Cache):
         super().__init__(layers=[SparseKVLayer() if s else DenseKVLayer() for s in sparse_layers])
         self.seen_tokens = 0
         self.sequences: Optional[int] = None  # the batch size of the current pass (begin_pass)
-        self.pass_tokens = 0  # tokens a sequence of the current pass
 
     def update(self, key_states, value_states, layer_idx: int, valid=None, positions=None, rows=None, row_index=None,
                *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states, valid, positions, rows, row_index,
-                                             self.sequences, self.pass_tokens > 1)
+                                             self.sequences)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -397,9 +379,9 @@ class XModCache(Cache):
         for layer in self.layers:
             layer.select_batch(indices, picked)
 
-    def begin_pass(self, sequences: int, tokens: int) -> None:
-        """Called by the model before a forward pass over ``tokens`` new tokens of ``sequences`` sequences."""
-        self.sequences, self.pass_tokens = sequences, tokens
+    def begin_pass(self, sequences: int) -> None:
+        """Called by the model before a forward pass over ``sequences`` sequences."""
+        self.sequences = sequences
 
     def advance(self, num_tokens: int) -> None:
         """Called by the model after each forward pass over ``num_tokens`` new tokens."""

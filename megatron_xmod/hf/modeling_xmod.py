@@ -472,7 +472,7 @@ class XModModel(XModPreTrainedModel):
             cache = None
         past = cache.get_seq_length() if cache is not None else 0
         if cache is not None:
-            cache.begin_pass(b, n)
+            cache.begin_pass(b)
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError("attention_mask: a 2-D [batch, past + new tokens] padding mask is expected")
