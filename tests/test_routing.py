@@ -7,7 +7,6 @@ from megatron_xmod.xmod.routing import (
     capacity_selection,
     eval_capacity,
     jaccard_tensor,
-    padded_selection,
     route,
     router_bce_loss,
     select_topk,
@@ -117,17 +116,6 @@ def test_jaccard():
     b = torch.tensor([True, False, True, False])
     assert jaccard_tensor(a, b).item() == pytest.approx(1 / 3)
     assert jaccard_tensor(a & False, b & False).item() == 1.0
-
-
-def test_padded_selection_keeps_all_selected_sorted_and_marks_padding():
-    selected = torch.tensor([[0, 1, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
-    indices, valid = padded_selection(selected)
-    assert indices.shape == (3, 3)  # the longest column selects 3
-    assert torch.all(indices[1:] > indices[:-1])
-    assert indices[:, 1].tolist() == [0, 2, 3] and valid[:, 1].all()
-    assert indices[:, 0].tolist() == [0, 1, 3] and valid[:, 0].tolist() == [False, True, True]
-    assert not valid[:, 2].any()
-    assert padded_selection(torch.zeros(4, 2, dtype=torch.bool)) == (None, None)
 
 
 def test_capacity_selection_lists_real_tokens_first_then_padding():

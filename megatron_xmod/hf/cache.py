@@ -170,8 +170,8 @@ class DenseKVLayer(_KVLayer):
 
 
 class SparseKVLayer(_KVLayer):
-    """K/V of a sparse layer: one buffer per sequence (keys and values ``[capacity, kv_heads, head_dim]``,
-    ``valid`` / ``positions`` ``[capacity]``), each as long as that sequence's own entries (plus growth),
+    """K/V of a sparse layer: one buffer per sequence (keys and values ``[kv_heads, capacity, head_dim]``,
+    ``valid`` / ``positions`` ``[1, capacity]``), each as long as that sequence's own entries (plus growth),
     so a batch holds what each of its sequences routed and no padding: sequences route very different
     numbers of tokens (one sparse layer of the batch-8 benchmark routed 4 to 82 of a prompt's 256), and
     one buffer as wide as the busiest sequence held ~2.8x the valid entries at batch 8.
@@ -204,7 +204,7 @@ class SparseKVLayer(_KVLayer):
 
     def capacity(self, row: int) -> int:
         stored = self._sequences[row]
-        return 0 if stored is None else stored[0].shape[0]
+        return 0 if stored is None else stored[0].shape[1]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor,
                             batch: Optional[int] = None) -> None:
@@ -223,14 +223,14 @@ class SparseKVLayer(_KVLayer):
             return stored
         capacity = entries + max(16, entries // 8)
         heads, dim, key_dtype, value_dtype = self._entry
-        grown = (torch.zeros(capacity, heads, dim, dtype=key_dtype, device=self.device),
-                 torch.zeros(capacity, heads, dim, dtype=value_dtype, device=self.device),
-                 torch.zeros(capacity, dtype=torch.bool, device=self.device),
-                 torch.full((capacity,), -1, dtype=torch.long, device=self.device))
+        grown = (torch.zeros(heads, capacity, dim, dtype=key_dtype, device=self.device),
+                 torch.zeros(heads, capacity, dim, dtype=value_dtype, device=self.device),
+                 torch.zeros(1, capacity, dtype=torch.bool, device=self.device),
+                 torch.full((1, capacity), -1, dtype=torch.long, device=self.device))
         if stored is not None:
             fill = self.fills[row]
             for buffer, old in zip(grown, stored):
-                buffer[:fill] = old[:fill]
+                buffer[:, :fill] = old[:, :fill]
         self._sequences[row] = grown
         return grown
 
@@ -257,17 +257,18 @@ class SparseKVLayer(_KVLayer):
         every = rows is None
         if every:
             rows = list(range(self.batch))
-        entries = (key_states.transpose(1, 2), value_states.transpose(1, 2), valid, positions)  # [n, new, ...]
+        # a sequence's entries along dim 1 of each of its buffers: [kv_heads, new, head_dim] and [1, new]
+        entries = (key_states, value_states, valid[:, None], positions[:, None])
         steps = torch.arange(new, device=key_states.device)
         if n == 1:
             row, start = rows[0], self.fills[rows[0]]
             stored = self._reserve(row, start + new)
             for buffer, entry in zip(stored, entries):
-                buffer[start:start + new] = entry[0]
+                buffer[:, start:start + new] = entry[0]
             self.fills[row] += new
             self._fills_device[row] += new
-            keys, values, key_valid = (buffer[:start + new] for buffer in stored[:3])
-            return keys.transpose(0, 1)[None], values.transpose(0, 1)[None], key_valid[None], (start + steps)[None]
+            keys, values, key_valid = (buffer[:, :start + new] for buffer in stored[:3])
+            return keys[None], values[None], key_valid, (start + steps)[None]
         starts = [self.fills[r] for r in rows]
         if every:
             row_index = torch.arange(n, device=key_states.device)
@@ -276,18 +277,19 @@ class SparseKVLayer(_KVLayer):
         new_columns = self._fills_device[row_index][:, None] + steps
         heads, dim, _, _ = self._entry
         width = max(starts) + new
-        padded = (entries[0].new_zeros(n, width, heads, dim), entries[1].new_zeros(n, width, heads, dim),
-                  valid.new_zeros(n, width), positions.new_full((n, width), -1))
+        padded = (key_states.new_zeros(n, heads, width, dim), value_states.new_zeros(n, heads, width, dim),
+                  valid.new_zeros(n, 1, width), positions.new_full((n, 1, width), -1))
         for i, (row, start) in enumerate(zip(rows, starts)):
             stored = self._reserve(row, start + new)
             for buffer, old, entry in zip(padded, stored, entries):
-                buffer[i, :start] = old[:start]
-                old[start:start + new] = entry[i]
+                buffer[i, :, :start] = old[:, :start]
+                old[:, start:start + new] = entry[i]
             self.fills[row] += new
-        for buffer, entry in zip(padded, entries):
-            buffer[torch.arange(n, device=key_states.device)[:, None], new_columns] = entry
+        sequence_index = torch.arange(n, device=key_states.device)[:, None]
+        for buffer, entry in zip(padded, entries):  # entry [n, new, heads or 1, ...]: advanced indices first
+            buffer[sequence_index, :, new_columns] = entry.transpose(1, 2)
         self._fills_device.index_add_(0, row_index, torch.full_like(row_index, new))
-        return padded[0].transpose(1, 2), padded[1].transpose(1, 2), padded[2], new_columns
+        return padded[0], padded[1], padded[2][:, 0], new_columns
 
     def sequence(self, row: int) -> tuple[torch.Tensor, ...]:
         """Views of sequence ``row``'s entries: keys and values ``[kv_heads, n, head_dim]``, valid and
@@ -299,8 +301,8 @@ class SparseKVLayer(_KVLayer):
                     torch.zeros(heads, 0, dim, dtype=value_dtype, device=self.device),
                     torch.zeros(0, dtype=torch.bool, device=self.device),
                     torch.zeros(0, dtype=torch.long, device=self.device))
-        keys, values, valid, positions = (buffer[:fill] for buffer in stored)
-        return keys.transpose(0, 1), values.transpose(0, 1), valid, positions
+        keys, values, valid, positions = (buffer[:, :fill] for buffer in stored)
+        return keys, values, valid[0], positions[0]
 
     def reset(self) -> None:
         self._sequences, self.fills, self._fills_device = [], [], None

@@ -151,23 +151,6 @@ def indices_to_mask(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
     return mask.scatter_(0, indices, True)
 
 
-def padded_selection(selected: torch.Tensor):
-    """Batch a variable per-sequence selection: ``[k_max, b]`` sorted unique indices and a ``valid`` mask.
-
-    Each column holds all of its selected positions plus, where it selected fewer than k_max, the
-    earliest unselected ones as padding. Indices stay sorted (what the permute kernels need); the
-    caller must keep padding out of attention and give it a zero gate. None when nothing is selected.
-    """
-    seq_len = selected.shape[0]
-    k_max = int(selected.sum(0).max())
-    if k_max == 0:
-        return None, None
-    positions = torch.arange(seq_len, device=selected.device).unsqueeze(1)
-    selected_first = torch.where(selected, positions, positions + seq_len)
-    indices = torch.sort(torch.argsort(selected_first, dim=0)[:k_max], dim=0).values
-    return indices, torch.gather(selected, 0, indices)
-
-
 def eval_capacity(seq_len: int, tokens: float) -> int:
     """A static width of a threshold-routed batch for about ``tokens`` tokens a sequence: rounded up to a
     multiple of 8 (matmul-friendly shapes), at least 1, at most L (see RoutingState.eval_capacity)."""
