@@ -286,7 +286,7 @@ class SparseKVLayer(_KVLayer):
                 old[:, start:start + new] = entry[i]
             self.fills[row] += new
         sequence_index = torch.arange(n, device=key_states.device)[:, None]
-        for buffer, entry in zip(padded, entries):  # entry [n, new, heads or 1, ...]: advanced indices first
+        for buffer, entry in zip(padded, entries):  # [n, new, heads or 1, ...]: the advanced indices' dims first
             buffer[sequence_index, :, new_columns] = entry.transpose(1, 2)
         self._fills_device.index_add_(0, row_index, torch.full_like(row_index, new))
         return padded[0], padded[1], padded[2][:, 0], new_columns
