@@ -58,7 +58,7 @@ class _KVLayer(CacheLayerMixin):
             self.select_batch(torch.tensor(picked), picked)
 
     def entries_per_sequence(self) -> list[int]:
-        """Valid entries of each sequence (one device read)."""
+        """Valid entries of each sequence (a device read each)."""
         if not self.is_initialized:
             return []
         return [int(self.sequence(row)[2].sum()) for row in range(self.batch)]
