@@ -136,6 +136,10 @@ class DenseKVLayer(_KVLayer):
         positions ``[n]``."""
         return self.keys[row], self.values[row], self.valid[row], self.positions[row]
 
+    def entries_per_sequence(self) -> list[int]:
+        """Valid entries of each sequence (one device read)."""
+        return self.valid.sum(1).tolist() if self.is_initialized else []
+
     def reset(self) -> None:
         self.keys = self.values = self.valid = self.positions = self._buffers = None
         self.used = 0
@@ -282,12 +286,9 @@ class SparseKVLayer(_KVLayer):
         for i, (row, start) in enumerate(zip(rows, starts)):
             stored = self._reserve(row, start + new)
             for buffer, old, entry in zip(padded, stored, entries):
-                buffer[i, :, :start] = old[:, :start]
                 old[:, start:start + new] = entry[i]
+                buffer[i, :, :start + new] = old[:, :start + new]
             self.fills[row] += new
-        sequence_index = torch.arange(n, device=key_states.device)[:, None]
-        for buffer, entry in zip(padded, entries):  # [n, new, heads or 1, ...]: the advanced indices' dims first
-            buffer[sequence_index, :, new_columns] = entry.transpose(1, 2)
         self._fills_device.index_add_(0, row_index, torch.full_like(row_index, new))
         return padded[0], padded[1], padded[2][:, 0], new_columns
 
