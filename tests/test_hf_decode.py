@@ -331,6 +331,49 @@ def test_batched_decode_reads_the_device_once_per_routing_event_only():
     assert syncs.count <= steps * len(model.model.sparse_runs()) + len(calls), (syncs.count, len(calls))
 
 
+def test_batched_decode_attends_to_each_sequences_own_buffer_without_a_mask(monkeypatch):
+    """A decode step of an unpadded batch: a sparse layer's attention runs sequence by sequence on that
+    sequence's buffer itself (a view of its storage, as long as its entries: no padded copy of the
+    routing sequences' entries), and no layer builds a mask (every cached entry is valid, the new token
+    last); the logits equal recomputation."""
+    from megatron_xmod.hf.modeling_xmod import XModAttention
+
+    model = routed_model()
+    tokens = prompt(4, 10, seed=12)
+    layer_of, calls = [None], []
+    sdpa, attention_forward = torch.nn.functional.scaled_dot_product_attention, XModAttention.forward
+
+    def recording(q, k, v, **kwargs):
+        calls.append((layer_of[0], q.shape[0], k.shape[2], k.untyped_storage().data_ptr(), kwargs.get("attn_mask") is None))
+        return sdpa(q, k, v, **kwargs)
+
+    def attention(self, *args, **kwargs):
+        layer_of[0] = self.layer_idx
+        return attention_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(XModAttention, "forward", attention)
+    steps, checked = 8, 0
+    want_tokens, want_logits = recomputed(model, tokens, steps)
+    with torch.no_grad():
+        cache = XModCache(model.config)
+        logits = [model(tokens, cache=cache).logits[:, -1]]
+        for step in range(1, steps):
+            calls.clear()
+            logits.append(model(want_tokens[:, tokens.shape[1] + step - 1:][:, :1], cache=cache).logits[:, -1])
+            assert calls and all(no_mask for *_, no_mask in calls), calls
+            for layer_idx, batch, keys, storage, _ in calls:
+                layer = cache.layers[layer_idx]
+                if layer.sparse:
+                    assert batch == 1
+                    rows = [r for r, stored in enumerate(layer._sequences)
+                            if stored is not None and stored[0].untyped_storage().data_ptr() == storage]
+                    assert len(rows) == 1 and keys == layer.fills[rows[0]], (layer_idx, keys, layer.fills)
+                    checked += 1
+    assert checked > steps  # sparse layers ran, several sequences a step in some
+    torch.testing.assert_close(torch.stack(logits, 1), want_logits, rtol=0, atol=1e-5)
+
+
 def test_synthetic_long_context_cache_holds_each_layers_share():
     """bench/generate.py --long-contexts decodes from a cache built without a prefill: each dense layer
     holds the whole context, each sparse layer context / K entries, and decoding from it appends as

@@ -77,6 +77,7 @@ class DenseKVLayer(_KVLayer):
         self.valid: Optional[torch.Tensor] = None
         self.positions: Optional[torch.Tensor] = None
         self.used = 0
+        self.all_valid = True  # no invalid entry was ever appended (valid=None each time): attention needs no mask
         self._buffers: Optional[tuple[torch.Tensor, ...]] = None  # keys, values, valid, positions at full capacity
 
     @property
@@ -112,9 +113,10 @@ class DenseKVLayer(_KVLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: Optional[torch.Tensor] = None,
                positions: Optional[torch.Tensor] = None, rows: Optional[list[int]] = None, *args, **kwargs):
-        """Append ``[batch, kv_heads, new, head_dim]`` entries, one per token of every sequence. Returns
-        ``(keys, values, valid, new_columns)`` over the columns in use (``new_columns`` ``[batch, new]``:
-        the columns of the appended entries)."""
+        """Append ``[batch, kv_heads, new, head_dim]`` entries, one per token of every sequence (``valid``
+        None: all of them valid). Returns ``(keys, values, valid, new_columns)`` over the columns in use
+        (``new_columns`` ``[batch, new]``: the columns of the appended entries); ``valid`` and
+        ``new_columns`` are None while every entry ever appended was valid (this pass's are the last columns)."""
         if rows is not None:
             raise ValueError("rows: a dense layer's cache appends for every sequence of the batch")
         batch, _, new, _ = key_states.shape
@@ -127,7 +129,10 @@ class DenseKVLayer(_KVLayer):
         values[:, :, start:self.used] = value_states
         valid_buffer[:, start:self.used] = True if valid is None else valid
         position_buffer[:, start:self.used] = -1 if positions is None else positions
+        self.all_valid = self.all_valid and valid is None
         self._set_views()
+        if self.all_valid:  # this pass's entries are the last columns of every sequence, as the attention assumes
+            return self.keys, self.values, None, None
         new_columns = torch.arange(start, self.used, device=keys.device).expand(batch, new)
         return self.keys, self.values, self.valid, new_columns
 
@@ -143,6 +148,7 @@ class DenseKVLayer(_KVLayer):
     def reset(self) -> None:
         self.keys = self.values = self.valid = self.positions = self._buffers = None
         self.used = 0
+        self.all_valid = True
         self.is_initialized = False
 
     def offload(self):
@@ -194,6 +200,7 @@ class SparseKVLayer(_KVLayer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.fills: list[int] = []
+        self.all_valid: list[bool] = []  # a sequence's entries were all appended as valid (valid=None): no mask
         self._fills_device: Optional[torch.Tensor] = None
         self._sequences: list[Optional[tuple[torch.Tensor, ...]]] = []  # keys, values, valid, positions a sequence
 
@@ -217,6 +224,7 @@ class SparseKVLayer(_KVLayer):
         self.device = key_states.device
         self._entry = (heads, dim, key_states.dtype, value_states.dtype)
         self.fills = [0] * batch
+        self.all_valid = [True] * batch
         self._fills_device = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._sequences = [None] * batch
         self.is_initialized = True
@@ -243,17 +251,16 @@ class SparseKVLayer(_KVLayer):
                row_index: Optional[torch.Tensor] = None, batch: Optional[int] = None, *args, **kwargs):
         """Append ``new`` entries ``[n, kv_heads, new, head_dim]`` for the sequences ``rows`` (ascending batch
         rows; ``row_index`` the same on the device; None: every sequence) of a batch of ``batch``
-        sequences (needed when the first append is for some of them). Returns ``(keys, values, valid,
-        new_columns)`` of those sequences (``[n, kv_heads, keys, head_dim]``, ``[n, keys]``; ``new_columns``
-        ``[n, new]`` the columns of this pass's entries; four values where transformers' layers return keys
-        and values: the model's attention reads all four). One sequence (a prefill's or a decode step's
-        routing sequence, the model's usual call): views of its buffer, no copy. Several: their entries so
-        far padded to the longest, then this pass's."""
+        sequences (needed when the first append is for some of them); ``valid`` None: all of them valid.
+        Returns ``(keys, values, valid, new_columns)`` of those sequences (``[n, kv_heads, keys, head_dim]``,
+        ``[n, keys]``; ``new_columns`` ``[n, new]`` the columns of this pass's entries; four values where
+        transformers' layers return keys and values: the model's attention reads all four).
+
+        One sequence (a prefill's or a decode step's routing sequence, the model's only call): views of its
+        buffer, no copy, and ``valid`` / ``new_columns`` None while every entry the sequence ever appended
+        was valid (this pass's entries are then its last ``new`` keys; attention needs no padding mask).
+        Several: their entries so far padded to the longest, then this pass's."""
         n, _, new, _ = key_states.shape
-        if valid is None:
-            valid = torch.ones(n, new, dtype=torch.bool, device=key_states.device)
-        if positions is None:
-            positions = torch.full((n, new), -1, dtype=torch.long, device=key_states.device)
         if not self.is_initialized:
             if rows is not None and batch is None:
                 raise ValueError("batch: the first append for some sequences (rows) needs the batch size")
@@ -261,24 +268,36 @@ class SparseKVLayer(_KVLayer):
         every = rows is None
         if every:
             rows = list(range(self.batch))
-        # a sequence's entries along dim 1 of each of its buffers: [kv_heads, new, head_dim] and [1, new]
-        entries = (key_states, value_states, valid[:, None], positions[:, None])
-        steps = torch.arange(new, device=key_states.device)
         if n == 1:
             row, start = rows[0], self.fills[rows[0]]
-            stored = self._reserve(row, start + new)
-            for buffer, entry in zip(stored, entries):
-                buffer[:, start:start + new] = entry[0]
-            self.fills[row] += new
+            keys, values, key_valid, key_positions = self._reserve(row, start + new)
+            end = start + new
+            keys[:, start:end] = key_states[0]
+            values[:, start:end] = value_states[0]
+            key_valid[:, start:end] = True if valid is None else valid
+            key_positions[:, start:end] = -1 if positions is None else positions
+            self.fills[row] = end
             self._fills_device[row] += new
-            keys, values, key_valid = (buffer[:, :start + new] for buffer in stored[:3])
-            return keys[None], values[None], key_valid, (start + steps)[None]
+            self.all_valid[row] = self.all_valid[row] and valid is None
+            if self.all_valid[row]:
+                return keys[None, :, :end], values[None, :, :end], None, None
+            columns = torch.arange(start, end, device=key_states.device)[None]
+            return keys[None, :, :end], values[None, :, :end], key_valid[:, :end], columns
+        if valid is None:
+            valid = torch.ones(n, new, dtype=torch.bool, device=key_states.device)
+        else:
+            for row in rows:
+                self.all_valid[row] = False
+        if positions is None:
+            positions = torch.full((n, new), -1, dtype=torch.long, device=key_states.device)
+        # a sequence's entries along dim 1 of each of its buffers: [kv_heads, new, head_dim] and [1, new]
+        entries = (key_states, value_states, valid[:, None], positions[:, None])
         starts = [self.fills[r] for r in rows]
         if every:
             row_index = torch.arange(n, device=key_states.device)
         elif row_index is None:
             row_index = torch.tensor(rows, device=key_states.device)  # a host-to-device copy: pass row_index
-        new_columns = self._fills_device[row_index][:, None] + steps
+        new_columns = self._fills_device[row_index][:, None] + torch.arange(new, device=key_states.device)
         heads, dim, _, _ = self._entry
         width = max(starts) + new
         padded = (key_states.new_zeros(n, heads, width, dim), value_states.new_zeros(n, heads, width, dim),
@@ -306,7 +325,7 @@ class SparseKVLayer(_KVLayer):
         return keys, values, valid[0], positions[0]
 
     def reset(self) -> None:
-        self._sequences, self.fills, self._fills_device = [], [], None
+        self._sequences, self.fills, self.all_valid, self._fills_device = [], [], [], None
         self.is_initialized = False
 
     def _move(self, device) -> None:
@@ -337,6 +356,7 @@ class SparseKVLayer(_KVLayer):
             self._sequences = sequences
             self._fills_device = self._fills_device.index_select(0, indices.to(self._fills_device.device))
             self.fills = [self.fills[row] for row in picked]
+            self.all_valid = [self.all_valid[row] for row in picked]
 
     def nbytes(self, valid_only: bool = False, allocated: bool = False) -> int:
         """Bytes of the keys and values in use (each sequence's entries); ``valid_only``: valid entries

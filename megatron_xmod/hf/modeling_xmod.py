@@ -100,6 +100,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     """``x`` ``[b, s, heads, d]``, ``cos`` / ``sin`` ``[b, s, rot_dim]``; the dimensions past rot_dim pass unchanged."""
     rot_dim = cos.shape[-1]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    if rot_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x, interleaved) * sin
     x, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     x = x * cos + _rotate_half(x, interleaved) * sin
     return torch.cat((x, x_pass), dim=-1)
@@ -119,13 +121,13 @@ class XModAttention(nn.Module):
             self.q_norm = XModRMSNorm(d, config.rms_norm_eps)
             self.k_norm = XModRMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, valid: Optional[torch.Tensor],
                 cache: Optional[XModCache] = None, documents: Optional[torch.Tensor] = None,
                 rows: Optional[list[int]] = None, row_index: Optional[torch.Tensor] = None,
                 rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, causal: bool = False) -> torch.Tensor:
         """``x`` ``[b, m, h]``: the tokens this layer processes, in order; ``valid`` ``[b, m]``: which of
-        them other tokens may attend to (not padding). Each token attends causally to the valid
-        tokens of this layer before it (cached ones included) and to itself; with ``documents``
+        them other tokens may attend to (not padding; None: all of them). Each token attends causally to
+        the valid tokens of this layer before it (cached ones included) and to itself; with ``documents``
         ``[b, m]`` (packed inputs, no cache: :func:`packed_documents`) only to those of its own document.
         ``rows`` / ``row_index``: the batch rows of the cache that ``x`` belongs to (None: all); ``rope``:
         :func:`rotary_tables` at ``positions`` (None: computed here). ``causal``: nothing cached before
@@ -142,20 +144,43 @@ class XModAttention(nn.Module):
         q = apply_rotary(q, cos, sin, self.config.rotary_interleaved)
         k = apply_rotary(k, cos, sin, self.config.rotary_interleaved)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, m, d]
+        if cache is not None and m == 1 and b > 1 and cache.layers[self.layer_idx].sparse:
+            # A decode step's tokens of several sequences in a sparse layer: each attends to its own
+            # sequence's buffer as it is (a view). One padded batch would copy every sequence's entries
+            # into it at every step (the buffers differ in length).
+            rows = range(b) if rows is None else rows
+            out = torch.cat([self._attend(q[i:i + 1], k[i:i + 1], v[i:i + 1], None if valid is None else valid[i:i + 1],
+                                          positions[i:i + 1], cache, None, [row]) for i, row in enumerate(rows)])
+        else:
+            out = self._attend(q, k, v, valid, positions, cache, documents, rows, row_index, causal)
+        return self.o_proj(out.transpose(1, 2).reshape(b, m, self.heads * self.head_dim))
+
+    def _attend(self, q, k, v, valid, positions, cache, documents=None, rows=None, row_index=None, causal=False):
+        """Appends ``k`` / ``v`` ``[b, groups, m, d]`` to the cache (if any) and returns SDPA's ``[b, heads, m, d]``."""
+        b, _, m, _ = q.shape
         if cache is not None:
             k, v, key_valid, new_columns = cache.update(k, v, self.layer_idx, valid, positions, rows, row_index)
         else:
-            key_valid, new_columns = valid, torch.arange(m, device=x.device).expand(b, m)
-        if causal:
-            allowed = None
+            key_valid, new_columns = valid, None
+        keys = k.shape[2]
+        if causal or (m == 1 and documents is None and (key_valid is None or keys == 1)):
+            allowed = None  # a first pass's causal attention, or one new token that sees every key there is
+        elif key_valid is None and documents is None:
+            # every key valid and this pass's tokens the last ones: causal, aligned to the last key
+            allowed = torch.ones(m, keys, dtype=torch.bool, device=q.device).tril(keys - m)
+        elif m == 1 and documents is None:  # one new token: the valid keys and itself
+            allowed = key_valid.scatter(1, new_columns, True)[:, None, None, :]
         else:
+            if key_valid is None:
+                key_valid = torch.ones(b, keys, dtype=torch.bool, device=q.device)
+            if new_columns is None:
+                new_columns = torch.arange(keys - m, keys, device=q.device).expand(b, m)
             allowed = attention_mask(key_valid, new_columns)
             if documents is not None:
                 allowed = allowed & (documents[:, :, None] == documents[:, None, :])
             allowed = allowed.unsqueeze(1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=causal,
-                                             scale=1.0 / math.sqrt(self.head_dim), enable_gqa=self.heads != self.groups)
-        return self.o_proj(out.transpose(1, 2).reshape(b, m, self.heads * self.head_dim))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=causal,
+                                              scale=1.0 / math.sqrt(self.head_dim), enable_gqa=self.heads != self.groups)
 
 
 def attention_mask(key_valid: torch.Tensor, new_columns: torch.Tensor) -> torch.Tensor:
@@ -323,7 +348,7 @@ class XModDecoderLayer(nn.Module):
             rows_of = indices.unsqueeze(-1).expand(-1, -1, rope[0].shape[-1])
             rope = (torch.gather(rope[0], 1, rows_of), torch.gather(rope[1], 1, rows_of))
         attention, mlp = self._attention_and_mlp(routed, torch.gather(positions, 1, indices),
-                                                 keep & torch.gather(valid, 1, indices), cache,
+                                                 keep if valid is None else keep & torch.gather(valid, 1, indices), cache,
                                                  None if documents is None else torch.gather(documents, 1, indices),
                                                  rope=rope, causal=causal)
         r = torch.sigmoid(torch.gather(decision.scores.t(), 1, indices)).to(x.dtype)
@@ -342,7 +367,7 @@ class XModDecoderLayer(nn.Module):
         one document a row, so each sequence's routed tokens attend causally without a mask."""
         cfg = self.config
         b, n, h = x.shape
-        selected = decision.selected.t() & valid  # [b, n]
+        selected = decision.selected.t() if valid is None else decision.selected.t() & valid  # [b, n]
         counts = selected.sum(1).tolist()  # the one device read
         total = sum(counts)
         if total == 0:  # no token of this pass is routed here: nothing to attend, nothing cached
@@ -360,7 +385,7 @@ class XModDecoderLayer(nn.Module):
             if count:
                 part = slice(start, start + count)
                 attention.append(self.self_attn(
-                    normed[None, part], token_positions[None, part], selected.new_ones(1, count), cache,
+                    normed[None, part], token_positions[None, part], None, cache,
                     None if token_documents is None else token_documents[None, part], rows=[row],
                     rope=(cos[None, part], sin[None, part]), causal=first_pass))
                 start += count
@@ -382,7 +407,8 @@ class XModDecoderLayer(nn.Module):
         routed = pick(x)
         carried = None if carried_bias is None else pick(carried_bias)
         scores = adjusted_logits(self.router_logits(routed), carried, cfg.token_choice_bias_tau)
-        attention, mlp = self._attention_and_mlp(routed, pick(positions), pick(valid), cache, rows=rows,
+        # the run-ahead routes no padding token: the routed rows are valid
+        attention, mlp = self._attention_and_mlp(routed, pick(positions), None, cache, rows=rows,
                                                  row_index=row_index, rope=tuple(pick(t) for t in rope))
         delta, gate = gated_residual(cfg.routing_family, attention, mlp, torch.sigmoid(scores).to(x.dtype),
                                      getattr(self, "gate_scale", None))
@@ -473,12 +499,13 @@ class XModModel(XModPreTrainedModel):
         past = cache.get_seq_length() if cache is not None else 0
         if cache is not None:
             cache.begin_pass(b)
+        valid = None  # which new tokens are not padding; None: all of them
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError("attention_mask: a 2-D [batch, past + new tokens] padding mask is expected")
             valid = attention_mask[:, -n:].bool()
-        else:
-            valid = torch.ones(b, n, dtype=torch.bool, device=x.device)
+            if past == 0 and n > 1 and bool(valid.all()):  # a prefill's one read: no padding, no masks to build
+                valid = None
         documents = None
         if position_ids is None:
             if attention_mask is not None:
@@ -491,8 +518,8 @@ class XModModel(XModPreTrainedModel):
                 cache, documents = None, documents.expand(b, n)
         position_ids = position_ids.expand(b, n)
         rope = rotary_tables(cfg, position_ids, x.dtype)
-        # a first pass over one document a row without padding: causal attention without a mask (a prefill's read)
-        causal = past == 0 and n > 1 and documents is None and (attention_mask is None or bool(valid.all()))
+        # a first pass over one document a row without padding: causal attention without a mask
+        causal = past == 0 and n > 1 and documents is None and valid is None
         decoding = self.decode_skips_unrouted and cache is not None and n == 1 and rule == "threshold"
         bias = None  # token-choice bias of this pass's tokens, from the sparse layer just run
         i = 0
@@ -542,7 +569,8 @@ class XModModel(XModPreTrainedModel):
             bound = F.linear(x32.abs(), weight_abs[i - start:], router_bias_abs[i - start:])
             margin = run_ahead_margin(logits, scores, bound, router_bias[i - start:], h, x.dtype)
             # 2: routed, 1: too close to call, 0: not routed (or padding)
-            state = ((scores >= -margin).to(torch.int8) + (scores >= margin)) * valid
+            state = (scores >= -margin).to(torch.int8) + (scores >= margin)
+            state = state if valid is None else state * valid
             states = state.tolist()  # the one device read
             columns = [max(column) for column in zip(*states)]
             first = next((j for j, top in enumerate(columns) if top > 0), None)
