@@ -39,7 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the sync counter is a test tool, shared with the tests
 
-from throughput import git_commit, loadavg, machine_name  # noqa: E402  (bench/, this script's folder)
+from throughput import git_commit, keep_freed_memory, loadavg, machine_name  # noqa: E402  (bench/, this script's folder)
 
 MODELS = ("dense", "mod", "xmod-a4k8", "xmod-a3k16")
 
@@ -163,28 +163,37 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
             times = {(name, path): ([], []) for name in models for path in ("after", "before")}
             outputs = {}
             for name in models:  # warm-up, untimed: first calls allocate and pick kernels
-                token, cache = prefill(built[name][0], prompt[:, :64])
+                # at the timed size: a first 2048-token prefill of Dense ran at a third of the next ones' speed
+                # (the allocator's first requests of its activations' sizes), after a 64-token warm-up too
+                token, cache = prefill(built[name][0], prompt)
                 decode(built[name][0], token, cache, 2)
+                del cache
             for _ in range(repeats):
                 for name in models:  # interleaved
                     model = built[name][0]
                     pre, token, prefilled = time_prefill(model, prompt, device)
-                    for path in ("after", "before") if name != "dense" and per_layer_decode else ("after",):
+                    paths = ("after", "before") if name != "dense" and per_layer_decode else ("after",)
+                    for path in paths:
                         model.model.decode_skips_unrouted = path == "after"
-                        cache = copy.deepcopy(prefilled)  # both paths decode from the same prefill
+                        # both paths decode from the same prefill
+                        cache = copy.deepcopy(prefilled) if len(paths) > 1 else prefilled
                         dec, generated = time_decode(model, token, cache, new_tokens, device)
                         times[name, path][0].append(pre)
                         times[name, path][1].append(dec)
-                        outputs[name, path] = (cache, generated)
+                        # the bytes, not the cache: at batch 8 four models' caches held ~8 GB, and the memory
+                        # pressure slowed the next prefill of Dense (its activations the largest) 3x on this machine
+                        outputs[name, path] = (dict(total=cache.nbytes()["total"],
+                                                    allocated=cache.nbytes(allocated=True)["total"]), generated)
+                        del cache
+                    del prefilled
                     model.model.decode_skips_unrouted = True
             for name in models:
                 model, fractions = built[name]
-                cache, generated = outputs[name, "after"]
+                cache_bytes, generated = outputs[name, "after"]
                 pre, dec = (statistics.median(t) for t in times[name, "after"])
                 row = dict(model=name, layers=model.config.num_hidden_layers, batch=batch, prompt=length,
                            new_tokens=new_tokens, prefill_tok_s=batch * length / pre, decode_tok_s=batch * new_tokens / dec,
-                           kv_cache_bytes=cache.nbytes()["total"],
-                           kv_cache_allocated_bytes=cache.nbytes(allocated=True)["total"],
+                           kv_cache_bytes=cache_bytes["total"], kv_cache_allocated_bytes=cache_bytes["allocated"],
                            syncs_per_token=syncs_per_token(model, prompt, min(8, new_tokens)),
                            routed_fraction=statistics.mean(fractions) if fractions else 1.0)
                 if name != "dense" and per_layer_decode:
@@ -278,7 +287,9 @@ def render_markdown(meta, rows) -> str:
            f"- machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; {meta['dtype']}",
            f"- hidden {meta['hidden']}, greedy, {meta['new_tokens']} new tokens, median of {meta['repeats']} interleaved "
            f"runs; routers calibrated to route 1/K (see the script's docstring)",
-           f"- load average before/after (1/5/15 min): {meta['loadavg_start']} / {meta['loadavg']}", "",
+           f"- load average before/after (1/5/15 min): {meta['loadavg_start']} / {meta['loadavg']}",
+           "- malloc: " + ("freed memory kept by the process (mallopt; throughput.keep_freed_memory)"
+                           if meta.get("steady_malloc") else "the C library's defaults"), "",
            "| batch | prompt | model | layers | prefill tok/s | vs Dense | decode tok/s | vs Dense | decode before | "
            "before vs Dense | syncs/token (before) | KV cache KiB (allocated) |",
            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -343,6 +354,7 @@ def main(argv=None):
     if args.quick:
         args.hidden, args.prompts, args.batches, args.new_tokens, args.repeats = 64, [32], [1, 2], 8, 1
     device = torch.device(args.device)
+    steady_malloc = device.type == "cpu" and keep_freed_memory()
     loadavg_start = loadavg()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -351,7 +363,7 @@ def main(argv=None):
     def write(rows):
         meta = dict(date=datetime.date.today().isoformat(), machine=machine_name(device), commit=git_commit(),
                     torch=torch.__version__, dtype="fp32", hidden=args.hidden, new_tokens=args.new_tokens,
-                    repeats=args.repeats, loadavg_start=loadavg_start, loadavg=loadavg())
+                    repeats=args.repeats, loadavg_start=loadavg_start, loadavg=loadavg(), steady_malloc=steady_malloc)
         (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         (out / f"{stem}.md").write_text(render_markdown(meta, rows))
         plot(rows, out / f"{stem}.png")

@@ -81,6 +81,25 @@ def single_rank_megatron(seed: int = 1234):
         yield parallel_state
 
 
+def keep_freed_memory() -> bool:
+    """glibc's malloc serves a large request (a 2048-token pass's activations, 6-100 MB) with a fresh mmap and
+    hands it back to the kernel on free, so the next pass faults in and zeroes its pages again; which requests
+    pay depends on what the process allocated before (glibc moves its mmap threshold as it goes). On this
+    machine that made the same Dense prefill (generate.py) take 1x-2x as long from one call to the next, and
+    X-MoD, whose sparse layers allocate small tensors, hardly at all: ratios that measured the allocator.
+    Serving every request from the heap and never trimming it (``mallopt``) measures the model. Call before
+    the models are built; returns False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_mmap_max, m_trim_threshold = -4, -1  # glibc's malloc.h
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))  # a C int
+    except (OSError, AttributeError):
+        return False
+
+
 def machine_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -408,6 +427,8 @@ def render_markdown(meta: dict, rows: list[dict]) -> str:
            f"micro-batches each (forward_backward_func over the micro-batches, then one DistributedOptimizer Adam "
            f"step; median), {meta['eval_steps']} evaluation steps of one micro-batch (forward only, top-k rule)",
            f"- schedule: {meta['schedule']}",
+           "- malloc: " + ("freed memory kept by the process (mallopt; keep_freed_memory)" if meta.get("steady_malloc")
+                           else "the C library's defaults"),
            "- layers: " + ("each one torch.compile region (--xmod-compile-layers); warm-up forward + backward "
                            "(compilation included) " + ", ".join(f"{r['model']} {sum(r['warmup_fwd_bwd_s']):.0f} s"
                                                                  for r in rows) if meta.get("compile_layers") else "eager"),
@@ -503,11 +524,12 @@ def main(argv=None) -> int:
         p.error(str(e))
 
     bf16 = on_gpu
+    steady_malloc = not on_gpu and keep_freed_memory()
     loadavg_start = loadavg()
     tag = a.tag or f"{'gpu' if on_gpu else 'cpu'}_{dt.datetime.now(dt.UTC).strftime('%Y%m%d')}"
     settings = dict(seq_len=seq_len, micro_batch=a.micro_batch, num_microbatches=num_microbatches, eval_microbatches=1,
                     dtype="bf16" if bf16 else "fp32", warmup=warmup, steps=steps, eval_steps=eval_steps,
-                    loadavg_start=loadavg_start, compile_layers=a.compile_layers)
+                    loadavg_start=loadavg_start, compile_layers=a.compile_layers, steady_malloc=steady_malloc)
     rows = None
     with single_rank_megatron():
         for backbone in candidates:

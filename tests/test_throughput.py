@@ -133,3 +133,32 @@ def test_compiled_region_bench_is_one_graph_per_layer_kind(tmp_path):
         assert result["checks"][kind]["input_grad_max_abs_diff"] < 1e-5
     assert result["routed_layer_ms"]["eager"] > 0 and result["routed_speedup"] > 0
     assert "| routed (K = 8, per layer) |" in (tmp_path / "compiled_region_t.md").read_text()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/statm and glibc's mallopt")
+def test_benchmarks_keep_freed_memory_resident():
+    """The CPU benchmarks serve large requests from the heap and never trim it (keep_freed_memory): a freed
+    64 MB tensor stays resident for the next pass to reuse, where glibc's default maps it fresh and hands it
+    back on free (the next pass faults its pages in again; a cost that fell on Dense's large activations).
+    In a child process: the setting is process-wide."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, "bench")
+        import torch
+        from throughput import keep_freed_memory
+
+        def resident_after_free():
+            base = int(open("/proc/self/statm").read().split()[1]) * 4096
+            t = torch.ones(16 * 2**20)
+            del t
+            return int(open("/proc/self/statm").read().split()[1]) * 4096 - base
+
+        print(resident_after_free(), keep_freed_memory(), resident_after_free())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    default, applied, kept = out.split()
+    assert applied == "True"
+    assert int(default) < 8 * 2**20 and int(kept) > 56 * 2**20, (default, kept)
