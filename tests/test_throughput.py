@@ -156,9 +156,10 @@ def test_benchmarks_keep_freed_memory_resident():
             del t
             return int(open("/proc/self/statm").read().split()[1]) * 4096 - base
 
+        resident_after_free()  # torch's own first-use pages, not the tensor's
         print(resident_after_free(), keep_freed_memory(), resident_after_free())
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     default, applied, kept = out.split()
     assert applied == "True"
-    assert int(default) < 8 * 2**20 and int(kept) > 56 * 2**20, (default, kept)
+    assert int(default) < 24 * 2**20 and int(kept) > 56 * 2**20, (default, kept)
