@@ -391,3 +391,31 @@ def test_synthetic_long_context_cache_holds_each_layers_share():
     grown = [a - 2 * n for a, n in zip(cache.entries(), want)]
     assert all(g == 2 * 3 for g, sparse in zip(grown, map(cfg.is_sparse, range(len(want)))) if not sparse)
     assert 0 < sum(g for i, g in enumerate(grown) if cfg.is_sparse(i)) < 2 * 3 * sum(map(cfg.is_sparse, range(len(want))))
+
+
+def test_sparse_cache_appends_several_sequences_at_their_own_fills():
+    """A sparse layer's cache appended for several sequences at once (bench/generate.py's synthetic caches)
+    writes each sequence after its own entries and returns them padded to the longest, with the columns of
+    this pass's entries, from the host's fills (no device copy of them); offload and prefetch keep them."""
+    from megatron_xmod.hf.cache import SparseKVLayer
+
+    layer, heads, dim = SparseKVLayer(), 2, 4
+    entries = lambda n, new, seed: torch.randn(n, heads, new, dim, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    first = entries(1, 3, 0)
+    layer.update(first, first + 1, rows=[1], batch=3)  # sequence 1 holds 3 entries, the others none
+    new = entries(3, 2, 1)
+    keys, values, valid, columns = layer.update(new, new + 1, valid=torch.tensor([[True, False]] * 3))
+    assert layer.fills == [2, 5, 2]
+    assert columns.tolist() == [[0, 1], [3, 4], [0, 1]]
+    assert keys.shape == (3, heads, 5, dim)
+    torch.testing.assert_close(keys[1, :, :3], first[0], rtol=0, atol=0)
+    for row in range(3):
+        torch.testing.assert_close(keys[row, :, columns[row]], new[row], rtol=0, atol=0)
+        torch.testing.assert_close(values[row, :, columns[row]], new[row] + 1, rtol=0, atol=0)
+        stored_keys, _, stored_valid, _ = layer.sequence(row)
+        torch.testing.assert_close(stored_keys, keys[row, :, :layer.fills[row]], rtol=0, atol=0)
+        assert stored_valid.tolist() == valid[row, :layer.fills[row]].tolist()
+    assert valid[0].tolist() == [True, False, False, False, False]  # padding past a sequence's fill is invalid
+    layer.offload()
+    layer.prefetch()
+    torch.testing.assert_close(layer.sequence(1)[0], keys[1], rtol=0, atol=0)

@@ -187,12 +187,9 @@ class SparseKVLayer(_KVLayer):
     one buffer as wide as the busiest sequence held ~2.8x the valid entries at batch 8.
 
     The model appends each sequence's routed tokens of a pass (a prefill's or a decode step's) on their
-    own; the one batched append is a decode step's whose routing was decided for the whole batch without
-    reading it (each sequence keeps an entry, invalid where not routed). The fill of each sequence is
-    kept on the host (``fills``: the model always knows how many entries it appends where, so no write
-    reads the device) and on the device (``_fills_device``: the columns of a batched append's entries,
-    without a copy from the host). A buffer grows by an eighth (at least 16 entries) when full: an
-    append is a write, not a copy of the sequence's cache.
+    own. The fill of each sequence is kept on the host (``fills``: the model always knows how many entries
+    it appends where, so no write reads the device). A buffer grows by an eighth (at least 16 entries)
+    when full: an append is a write, not a copy of the sequence's cache.
     """
 
     sparse = True
@@ -201,7 +198,7 @@ class SparseKVLayer(_KVLayer):
         super().__init__(**kwargs)
         self.fills: list[int] = []
         self.all_valid: list[bool] = []  # a sequence's entries were all appended as valid (valid=None): no mask
-        self._fills_device: Optional[torch.Tensor] = None
+        self._offloaded = False
         self._sequences: list[Optional[tuple[torch.Tensor, ...]]] = []  # keys, values, valid, positions a sequence
 
     @property
@@ -225,7 +222,6 @@ class SparseKVLayer(_KVLayer):
         self._entry = (heads, dim, key_states.dtype, value_states.dtype)
         self.fills = [0] * batch
         self.all_valid = [True] * batch
-        self._fills_device = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._sequences = [None] * batch
         self.is_initialized = True
 
@@ -248,9 +244,9 @@ class SparseKVLayer(_KVLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: Optional[torch.Tensor] = None,
                positions: Optional[torch.Tensor] = None, rows: Optional[list[int]] = None,
-               row_index: Optional[torch.Tensor] = None, batch: Optional[int] = None, *args, **kwargs):
+               batch: Optional[int] = None, *args, **kwargs):
         """Append ``new`` entries ``[n, kv_heads, new, head_dim]`` for the sequences ``rows`` (ascending batch
-        rows; ``row_index`` the same on the device; None: every sequence) of a batch of ``batch``
+        rows; None: every sequence) of a batch of ``batch``
         sequences (needed when the first append is for some of them); ``valid`` None: all of them valid.
         Returns ``(keys, values, valid, new_columns)`` of those sequences (``[n, kv_heads, keys, head_dim]``,
         ``[n, keys]``; ``new_columns`` ``[n, new]`` the columns of this pass's entries; four values where
@@ -277,7 +273,6 @@ class SparseKVLayer(_KVLayer):
             key_valid[:, start:end] = True if valid is None else valid
             key_positions[:, start:end] = -1 if positions is None else positions
             self.fills[row] = end
-            self._fills_device[row] += new
             self.all_valid[row] = self.all_valid[row] and valid is None
             if self.all_valid[row]:
                 return keys[None, :, :end], values[None, :, :end], None, None
@@ -293,11 +288,10 @@ class SparseKVLayer(_KVLayer):
         # a sequence's entries along dim 1 of each of its buffers: [kv_heads, new, head_dim] and [1, new]
         entries = (key_states, value_states, valid[:, None], positions[:, None])
         starts = [self.fills[r] for r in rows]
-        if every:
-            row_index = torch.arange(n, device=key_states.device)
-        elif row_index is None:
-            row_index = torch.tensor(rows, device=key_states.device)  # a host-to-device copy: pass row_index
-        new_columns = self._fills_device[row_index][:, None] + torch.arange(new, device=key_states.device)
+        # A host-to-device copy of n integers, no sync: only direct callers append several rows at once
+        # (the model appends sequence by sequence).
+        new_columns = (torch.tensor(starts, device=key_states.device)[:, None]
+                       + torch.arange(new, device=key_states.device))
         heads, dim, _, _ = self._entry
         width = max(starts) + new
         padded = (key_states.new_zeros(n, heads, width, dim), value_states.new_zeros(n, heads, width, dim),
@@ -308,7 +302,6 @@ class SparseKVLayer(_KVLayer):
                 old[:, start:start + new] = entry[i]
                 buffer[i, :, :start + new] = old[:, :start + new]
             self.fills[row] += new
-        self._fills_device.index_add_(0, row_index, torch.full_like(row_index, new))
         return padded[0], padded[1], padded[2][:, 0], new_columns
 
     def sequence(self, row: int) -> tuple[torch.Tensor, ...]:
@@ -325,21 +318,23 @@ class SparseKVLayer(_KVLayer):
         return keys, values, valid[0], positions[0]
 
     def reset(self) -> None:
-        self._sequences, self.fills, self.all_valid, self._fills_device = [], [], [], None
+        self._sequences, self.fills, self.all_valid = [], [], []
+        self._offloaded = False
         self.is_initialized = False
 
     def _move(self, device) -> None:
         self._sequences = [None if stored is None else tuple(t.to(device, non_blocking=True) for t in stored)
                            for stored in self._sequences]
-        self._fills_device = self._fills_device.to(device, non_blocking=True)
 
     def offload(self):
         if self.is_initialized:
             self._move("cpu")
+            self._offloaded = True
 
     def prefetch(self):
-        if self.is_initialized and self._fills_device.device != self.device:
+        if self.is_initialized and self._offloaded:
             self._move(self.device)
+            self._offloaded = False
 
     def select_batch(self, indices: torch.Tensor, picked: Optional[list[int]] = None) -> None:
         """Keep the sequences ``indices`` (in that order; ``picked``: the same on the host, else read). A
@@ -354,7 +349,6 @@ class SparseKVLayer(_KVLayer):
                 kept.add(row)
                 sequences.append(stored)
             self._sequences = sequences
-            self._fills_device = self._fills_device.index_select(0, indices.to(self._fills_device.device))
             self.fills = [self.fills[row] for row in picked]
             self.all_valid = [self.all_valid[row] for row in picked]
 
@@ -388,10 +382,9 @@ class XModCache(Cache):
         self.seen_tokens = 0
         self.sequences: Optional[int] = None  # the batch size of the current pass (begin_pass)
 
-    def update(self, key_states, value_states, layer_idx: int, valid=None, positions=None, rows=None, row_index=None,
+    def update(self, key_states, value_states, layer_idx: int, valid=None, positions=None, rows=None,
                *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, valid, positions, rows, row_index,
-                                             self.sequences)
+        return self.layers[layer_idx].update(key_states, value_states, valid, positions, rows, self.sequences)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)

@@ -123,13 +123,12 @@ class XModAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, valid: Optional[torch.Tensor],
                 cache: Optional[XModCache] = None, documents: Optional[torch.Tensor] = None,
-                rows: Optional[list[int]] = None, row_index: Optional[torch.Tensor] = None,
-                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, causal: bool = False) -> torch.Tensor:
+                rows: Optional[list[int]] = None, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, causal: bool = False) -> torch.Tensor:
         """``x`` ``[b, m, h]``: the tokens this layer processes, in order; ``valid`` ``[b, m]``: which of
         them other tokens may attend to (not padding; None: all of them). Each token attends causally to
         the valid tokens of this layer before it (cached ones included) and to itself; with ``documents``
         ``[b, m]`` (packed inputs, no cache: :func:`packed_documents`) only to those of its own document.
-        ``rows`` / ``row_index``: the batch rows of the cache that ``x`` belongs to (None: all); ``rope``:
+        ``rows``: the batch rows of the cache that ``x`` belongs to (None: all); ``rope``:
         :func:`rotary_tables` at ``positions`` (None: computed here). ``causal``: nothing cached before
         this pass and every token before a valid one is valid (a prefill without padding, whose
         padding, if any, comes after the valid tokens): plain causal attention, without a mask, which
@@ -152,14 +151,14 @@ class XModAttention(nn.Module):
             out = torch.cat([self._attend(q[i:i + 1], k[i:i + 1], v[i:i + 1], None if valid is None else valid[i:i + 1],
                                           positions[i:i + 1], cache, None, [row]) for i, row in enumerate(rows)])
         else:
-            out = self._attend(q, k, v, valid, positions, cache, documents, rows, row_index, causal)
+            out = self._attend(q, k, v, valid, positions, cache, documents, rows, causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, m, self.heads * self.head_dim))
 
-    def _attend(self, q, k, v, valid, positions, cache, documents=None, rows=None, row_index=None, causal=False):
+    def _attend(self, q, k, v, valid, positions, cache, documents=None, rows=None, causal=False):
         """Appends ``k`` / ``v`` ``[b, groups, m, d]`` to the cache (if any) and returns SDPA's ``[b, heads, m, d]``."""
         b, _, m, _ = q.shape
         if cache is not None:
-            k, v, key_valid, new_columns = cache.update(k, v, self.layer_idx, valid, positions, rows, row_index)
+            k, v, key_valid, new_columns = cache.update(k, v, self.layer_idx, valid, positions, rows)
         else:
             key_valid, new_columns = valid, None
         keys = k.shape[2]
@@ -307,10 +306,8 @@ class XModDecoderLayer(nn.Module):
         dtype, then the router's bias added in fp32 (its routing step adds the bias)."""
         return F.linear(x, self.router.weight).squeeze(-1).float() + self.router.bias.float()
 
-    def _attention_and_mlp(self, x, positions, valid, cache, documents=None, rows=None, row_index=None, rope=None,
-                           causal=False):
-        attention = self.self_attn(self.input_layernorm(x), positions, valid, cache, documents, rows, row_index, rope,
-                                   causal)
+    def _attention_and_mlp(self, x, positions, valid, cache, documents=None, rows=None, rope=None, causal=False):
+        attention = self.self_attn(self.input_layernorm(x), positions, valid, cache, documents, rows, rope, causal)
         return attention, self.mlp(self.post_attention_layernorm(x + attention))
 
     def forward(self, x, positions, valid, cache=None, carried_bias=None, rule="threshold", routes_one=False,
@@ -409,7 +406,7 @@ class XModDecoderLayer(nn.Module):
         scores = adjusted_logits(self.router_logits(routed), carried, cfg.token_choice_bias_tau)
         # the run-ahead routes no padding token: the routed rows are valid
         attention, mlp = self._attention_and_mlp(routed, pick(positions), None, cache, rows=rows,
-                                                 row_index=row_index, rope=tuple(pick(t) for t in rope))
+                                                 rope=tuple(pick(t) for t in rope))
         delta, gate = gated_residual(cfg.routing_family, attention, mlp, torch.sigmoid(scores).to(x.dtype),
                                      getattr(self, "gate_scale", None))
         update = gate.unsqueeze(-1) * delta
