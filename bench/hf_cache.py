@@ -42,12 +42,7 @@ def measure(folder: str, tokens: int, prompt: str, seed: int) -> dict:
     nbytes = cache.nbytes()
     dense_total = dense_cache_bytes(cfg, total, dtype=model.dtype)
     per_layer_dense = dense_total // cfg.num_hidden_layers
-    layers = [dict(layer=i, kind=cfg.layer_kinds[i], k=cfg.layer_sparsity_k[i], entries=entries,
-                   routed_fraction=entries / total, bytes=b, dense_bytes=per_layer_dense,
-                   # positions the model was trained at (RoPE beyond them is extrapolation)
-                   routed_fraction_trained_positions=int((layer.positions[layer.valid] < trained).sum()) / trained
-                   if layer.positions is not None else 0.0)
-              for i, (entries, b, layer) in enumerate(zip(cache.entries(), nbytes["per_layer"], cache.layers))]
+    layers = layer_rows(cache, cfg, total, trained, per_layer_dense)
     sparse_layers = [row for row in layers if row["kind"] == "sparse"]
     return dict(
         date=datetime.date.today().isoformat(), machine=f"{platform.node()}: 2-core CPU dev machine, no GPU",
@@ -58,6 +53,23 @@ def measure(folder: str, tokens: int, prompt: str, seed: int) -> dict:
                             if sparse_layers else None),
         layers=layers, text=tokenizer.decode(out[0, ids.shape[1]:ids.shape[1] + 60]),
     )
+
+
+def cached_positions(layer) -> torch.Tensor:
+    """Positions of the valid entries a layer cache holds, all sequences of the batch."""
+    entries = [layer.sequence(row) for row in range(layer.batch)] if layer.is_initialized else []
+    return torch.cat([positions[valid] for _, _, valid, positions in entries]) if entries else torch.zeros(0)
+
+
+def layer_rows(cache, cfg, total: int, trained: int, dense_layer_bytes: int) -> list[dict]:
+    """Per layer of ``cache`` after ``total`` tokens: kind, K, entries, routed fraction, the fraction of
+    the ``trained`` first positions it routed, its bytes and a dense layer's."""
+    nbytes = cache.nbytes()["per_layer"]
+    return [dict(layer=i, kind=cfg.layer_kinds[i], k=cfg.layer_sparsity_k[i], entries=entries,
+                 routed_fraction=entries / total, bytes=b, dense_bytes=dense_layer_bytes,
+                 # positions the model was trained at (RoPE beyond them is extrapolation)
+                 routed_fraction_trained_positions=int((cached_positions(layer) < trained).sum()) / trained)
+            for i, (entries, b, layer) in enumerate(zip(cache.entries(), nbytes, cache.layers))]
 
 
 def markdown(result: dict) -> str:

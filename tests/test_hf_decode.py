@@ -419,3 +419,25 @@ def test_sparse_cache_appends_several_sequences_at_their_own_fills():
     layer.offload()
     layer.prefetch()
     torch.testing.assert_close(layer.sequence(1)[0], keys[1], rtol=0, atol=0)
+
+
+def test_kv_cache_bench_reads_every_layer_kind():
+    """bench/hf_cache.py's per-layer table from a generation's cache: each layer's entries and the positions
+    they were cached at (a sparse layer keeps one buffer per sequence, a dense layer one for the batch)."""
+    from hf_cache import layer_rows
+
+    model = routed_model()
+    tokens, mask = left_padded([prompt(1, 9, seed=5)[0], prompt(1, 5, seed=6)[0]], PAD)
+    cache = XModCache(model.config)
+    with torch.no_grad():
+        model.generate(tokens, attention_mask=mask, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    total = cache.seen_tokens
+    rows = layer_rows(cache, model.config, total, trained=8, dense_layer_bytes=1)
+    assert [r["entries"] for r in rows] == cache.entries()
+    for row, layer in zip(rows, cache.layers):
+        positions = torch.cat([layer.sequence(b)[3][layer.sequence(b)[2]] for b in range(2)])
+        assert row["routed_fraction_trained_positions"] == int((positions < 8).sum()) / 8
+        if layer.sparse:
+            assert row["kind"] == "sparse" and 0 < row["entries"] < 2 * (total - 4)
+        else:  # both sequences' valid tokens: every position of each up to its length, positions 0..7 twice
+            assert row["entries"] == 2 * total - 4 and row["routed_fraction_trained_positions"] == 2.0
