@@ -441,3 +441,74 @@ def test_kv_cache_bench_reads_every_layer_kind():
             assert row["kind"] == "sparse" and 0 < row["entries"] < 2 * (total - 4)
         else:  # both sequences' valid tokens: every position of each up to its length, positions 0..7 twice
             assert row["entries"] == 2 * total - 4 and row["routed_fraction_trained_positions"] == 2.0
+
+
+def _same_cache(a, b):
+    """Every layer holds the same entries for every sequence (keys and values to rounding)."""
+    assert a.seen_tokens == b.seen_tokens and a.entries() == b.entries()
+    for layer_a, layer_b in zip(a.layers, b.layers):
+        for row in range(layer_a.batch):
+            (keys_a, values_a, valid_a, positions_a) = layer_a.sequence(row)
+            (keys_b, values_b, valid_b, positions_b) = layer_b.sequence(row)
+            assert torch.equal(valid_a, valid_b) and torch.equal(positions_a, positions_b)
+            torch.testing.assert_close(keys_a[:, valid_a], keys_b[:, valid_b], rtol=0, atol=1e-5)
+            torch.testing.assert_close(values_a[:, valid_a], values_b[:, valid_b], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["xmod", "mod"])
+def test_crop_leaves_the_cache_that_never_saw_the_dropped_tokens(family):
+    """XModCache.crop(-r) after a multi-token pass (assisted decoding's verification) and after decode steps
+    of a left-padded batch: every layer holds what a cache that never saw the last r tokens holds (sparse
+    layers drop each sequence's routed entries of those tokens, at its own positions), and decoding goes
+    on from it as from that cache."""
+    model = routed_model(family)
+    batch, mask = left_padded([prompt(1, 14, seed=5)[0], prompt(1, 8, seed=6)[0]], PAD)
+    extra = prompt(2, 9, seed=9)
+    full = torch.cat([mask, torch.ones_like(extra)], dim=1)
+    cropped, reference = XModCache(model.config), XModCache(model.config)
+    with torch.no_grad():
+        for cache, tokens in ((cropped, extra), (reference, extra[:, :3])):
+            model(batch, attention_mask=mask, cache=cache)
+            model(tokens, attention_mask=full[:, :mask.shape[1] + tokens.shape[1]], cache=cache)
+        routed_dropped = sum(map(sum, zip(*[layer.fills for layer in cropped.layers if layer.sparse]))) - sum(
+            map(sum, zip(*[layer.fills for layer in reference.layers if layer.sparse])))
+        cropped.crop(-6)
+        _same_cache(cropped, reference)
+        assert routed_dropped > 0  # the dropped tokens had entries in sparse layers
+        # four decode steps dropped back to two equal two decode steps
+        steps, past = prompt(2, 4, seed=10), full[:, :mask.shape[1] + 3]
+
+        def decode_steps(cache, count):
+            return [model(steps[:, i:i + 1], attention_mask=torch.cat([past, torch.ones_like(steps[:, :i + 1])], 1),
+                          cache=cache).logits[:, -1] for i in range(count)]
+
+        decode_steps(cropped, 4)
+        decode_steps(reference, 2)
+        cropped.crop(-2)
+        _same_cache(cropped, reference)
+        again = model(steps[:, 2:3], attention_mask=torch.cat([past, torch.ones_like(steps[:, :3])], 1), cache=cropped)
+        want = model(steps[:, 2:3], attention_mask=torch.cat([past, torch.ones_like(steps[:, :3])], 1), cache=reference)
+        torch.testing.assert_close(again.logits, want.logits, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="tokens_to_remove"):
+        cropped.crop(2)
+
+
+@pytest.mark.parametrize("family", ["xmod", "mod"])
+def test_assisted_decoding_equals_greedy_decoding(family, monkeypatch):
+    """Assisted generation, prompt lookup and a routed draft model (transformers verifies several draft tokens
+    in one pass and crops the cache back where the draft was wrong), gives greedy decoding's tokens, cropping
+    real drafts."""
+    model = routed_model(family)
+    text = torch.cat([prompt(1, 10, seed=1)] * 3, dim=1)  # repeats: prompt lookup finds drafts
+    with torch.no_grad():
+        plain = model.generate(text, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+        drops, crop = [], XModCache.crop
+        monkeypatch.setattr(XModCache, "crop", lambda self, n: (drops.append(-n), crop(self, n))[1])
+        assisted = model.generate(text, max_new_tokens=24, do_sample=False, pad_token_id=PAD, prompt_lookup_num_tokens=4)
+    assert torch.equal(assisted, plain)
+    assert any(d > 0 for d in drops), drops  # some draft was rejected and its tokens cropped
+    if family == "xmod":  # a routed draft model, whose own XModCache is cropped too
+        draft = routed_model(layout="D + S4*3 + D", seed=1)
+        with torch.no_grad():
+            drafted = model.generate(text, max_new_tokens=24, do_sample=False, pad_token_id=PAD, assistant_model=draft)
+        assert torch.equal(drafted, plain)

@@ -30,7 +30,7 @@ class _KVLayer(CacheLayerMixin):
     """What both layer caches share: transformers' interface around ``update`` / ``select_batch``."""
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # through XModCache.crop, which knows the positions of the tokens it drops
     sparse = False
 
     def get_seq_length(self) -> int:
@@ -43,8 +43,8 @@ class _KVLayer(CacheLayerMixin):
         return -1
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("crop: a sparse layer's entries are not one per token; assisted decoding is not "
-                                  "supported with XModCache")
+        raise NotImplementedError("crop: a sparse layer's entries are not one per token; crop the XModCache, which "
+                                  "knows the positions of the tokens it drops")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.select_batch(beam_idx)
@@ -140,6 +140,12 @@ class DenseKVLayer(_KVLayer):
         """Views of sequence ``row``'s entries in use: keys and values ``[kv_heads, n, head_dim]``, valid and
         positions ``[n]``."""
         return self.keys[row], self.values[row], self.valid[row], self.positions[row]
+
+    def keep_tokens(self, count: int) -> None:
+        """Drop every column past the first ``count`` (one a token)."""
+        if self.is_initialized and count < self.used:
+            self.used = count
+            self._set_views()
 
     def entries_per_sequence(self) -> list[int]:
         """Valid entries of each sequence (one device read)."""
@@ -317,6 +323,17 @@ class SparseKVLayer(_KVLayer):
         keys, values, valid, positions = (buffer[:, :fill] for buffer in stored)
         return keys, values, valid[0], positions[0]
 
+    def entries_before(self, cut: torch.Tensor) -> torch.Tensor:
+        """``[batch]``: how many of each sequence's entries lie at positions before ``cut`` ``[batch]`` (on the device)."""
+        counts = [torch.zeros((), dtype=torch.long, device=cut.device) if stored is None
+                  else (stored[3][0, :fill] < cut[row]).sum()
+                  for row, (fill, stored) in enumerate(zip(self.fills, self._sequences))]
+        return torch.stack(counts) if counts else cut.new_zeros(0)
+
+    def keep_entries(self, counts: list[int]) -> None:
+        """Keep the first ``counts[row]`` entries of each sequence (appends are in token order)."""
+        self.fills = [min(fill, count) for fill, count in zip(self.fills, counts)]
+
     def reset(self) -> None:
         self._sequences, self.fills, self.all_valid = [], [], []
         self._offloaded = False
@@ -381,6 +398,8 @@ class XModCache(Cache):
         super().__init__(layers=[SparseKVLayer() if s else DenseKVLayer() for s in sparse_layers])
         self.seen_tokens = 0
         self.sequences: Optional[int] = None  # the batch size of the current pass (begin_pass)
+        # positions [b, n] and valid [b, n] (None: all) of every pass's tokens, for crop
+        self._passes: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []
 
     def update(self, key_states, value_states, layer_idx: int, valid=None, positions=None, rows=None,
                *args, **kwargs):
@@ -394,10 +413,59 @@ class XModCache(Cache):
         picked = indices.tolist()
         for layer in self.layers:
             layer.select_batch(indices, picked)
+        if self._passes:
+            positions, valid = self._tokens()
+            indices = indices.to(positions.device)
+            self._passes = [(positions.index_select(0, indices), valid.index_select(0, indices))]
 
-    def begin_pass(self, sequences: int) -> None:
-        """Called by the model before a forward pass over ``sequences`` sequences."""
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self._passes:
+            self._passes = [tuple(t.repeat_interleave(repeats, dim=0) for t in self._tokens())]
+
+    def begin_pass(self, sequences: int, positions: Optional[torch.Tensor] = None,
+                   valid: Optional[torch.Tensor] = None) -> None:
+        """Called by the model before a forward pass over ``sequences`` sequences whose new tokens sit at
+        ``positions`` ``[b, n]`` (``valid``: which are not padding; None: all), kept for :meth:`crop`."""
         self.sequences = sequences
+        if positions is not None:
+            self._passes.append((positions, valid))
+
+    def _tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions and valid ``[b, tokens seen]`` of every token passed so far."""
+        positions = torch.cat([p for p, _ in self._passes], dim=1)
+        valid = torch.cat([torch.ones_like(p, dtype=torch.bool) if v is None else v for p, v in self._passes], dim=1)
+        return positions, valid
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens of every sequence (transformers' convention: a count <= 0;
+        assisted decoding drops a rejected draft's tail so). Dense layers drop their last columns. A sparse
+        layer holds a sequence's routed tokens in token order, at increasing positions, so it drops those at
+        or past the position of the sequence's first dropped (valid) token: one device read for all layers."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop: tokens_to_remove is minus the number of tokens to drop (transformers' "
+                             f"convention), got {tokens_to_remove}; pass -{tokens_to_remove}")
+        drop = -tokens_to_remove
+        if drop == 0:
+            return
+        if drop > self.seen_tokens:
+            raise ValueError(f"crop: cannot drop {drop} tokens, the cache has seen {self.seen_tokens}")
+        if sum(p.shape[1] for p, _ in self._passes) != self.seen_tokens:
+            raise ValueError("crop: the cache does not know the positions of every token it holds (a forward pass "
+                             "called begin_pass without them); crop needs XModModel's passes")
+        keep = self.seen_tokens - drop
+        positions, valid = self._tokens()
+        dropped = torch.where(valid[:, keep:], positions[:, keep:], torch.iinfo(positions.dtype).max)
+        cut = dropped.amin(1)  # [b]: the first dropped token's position (max: nothing valid dropped)
+        sparse = [layer for layer in self.layers if layer.sparse and layer.is_initialized]
+        counts = torch.stack([layer.entries_before(cut) for layer in sparse]).tolist() if sparse else []
+        for layer, kept in zip(sparse, counts):
+            layer.keep_entries(kept)
+        for layer in self.layers:
+            if not layer.sparse:
+                layer.keep_tokens(keep)
+        self._passes = [(positions[:, :keep], valid[:, :keep])]
+        self.seen_tokens = keep
 
     def advance(self, num_tokens: int) -> None:
         """Called by the model after each forward pass over ``num_tokens`` new tokens."""
@@ -417,9 +485,7 @@ class XModCache(Cache):
         for layer in self.layers:
             layer.reset()
         self.seen_tokens = 0
-
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("crop: not supported by XModCache (sparse layers keep routed tokens only)")
+        self._passes = []
 
     def nbytes(self, valid_only: bool = False, allocated: bool = False) -> dict:
         """Cache bytes: ``{"sparse": ..., "dense": ..., "total": ..., "per_layer": [...]}`` (see

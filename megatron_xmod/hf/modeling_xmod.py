@@ -494,8 +494,6 @@ class XModModel(XModPreTrainedModel):
         elif not use_cache:
             cache = None
         past = cache.get_seq_length() if cache is not None else 0
-        if cache is not None:
-            cache.begin_pass(b)
         valid = None  # which new tokens are not padding; None: all of them
         if attention_mask is not None:
             if attention_mask.dim() != 2:
@@ -514,6 +512,8 @@ class XModModel(XModPreTrainedModel):
             if documents is not None:  # several documents in a row: scored one by one, nothing to decode from
                 cache, documents = None, documents.expand(b, n)
         position_ids = position_ids.expand(b, n)
+        if cache is not None:
+            cache.begin_pass(b, position_ids, valid)
         rope = rotary_tables(cfg, position_ids, x.dtype)
         # a first pass over one document a row without padding: causal attention without a mask
         causal = past == 0 and n > 1 and documents is None and valid is None
@@ -624,6 +624,14 @@ class XModForCausalLM(XModPreTrainedModel, GenerationMixin):
 
     def get_output_embeddings(self):
         return self.lm_head
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """``generate`` starts with an XModCache (its default, transformers' DynamicCache, cannot hold a sparse
+        layer's entries): assisted decoding needs the cache before the first pass, to crop rejected drafts."""
+        if model_kwargs.get(_CACHE_FIELD) is None and generation_config.use_cache is not False:
+            model_kwargs[_CACHE_FIELD] = XModCache(self.config)
+            return None
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def set_output_embeddings(self, value):
         self.lm_head = value
