@@ -430,6 +430,8 @@ class XModCache(Cache):
         self.sequences = sequences
         if positions is not None:
             self._passes.append((positions, valid))
+            if len(self._passes) > 64:  # a decode step is a pass: keep one tensor, not one per token
+                self._passes = [self._tokens()]
 
     def _tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and valid ``[b, tokens seen]`` of every token passed so far."""
