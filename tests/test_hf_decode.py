@@ -159,7 +159,7 @@ def test_run_ahead_margin_covers_the_layers_own_rounding_in_half_precision(dtype
     ratios, decided, own = [], [], []
     run_sparse = inner._decode_sparse_run
 
-    def checked_run(start, x, positions, valid, cache, rope):
+    def checked_run(start, x, positions, valid, cache, rope, *args):
         end = inner._sparse_run_end[start]
         weight, weight_abs, router_bias, router_bias_abs = inner._router_stacks(start, end)
         x32 = x[:, 0].float()
@@ -168,7 +168,7 @@ def test_run_ahead_margin_covers_the_layers_own_rounding_in_half_precision(dtype
         theirs = torch.stack([inner.layers[j].router_logits(x)[:, 0] for j in range(start, end)], 1)
         margin = run_ahead_margin(logits, logits, bound, router_bias, x.shape[-1], dtype)  # tau b cancels out
         ratios.append(float(((logits - theirs).abs() / margin).max()))
-        return run_sparse(start, x, positions, valid, cache, rope)
+        return run_sparse(start, x, positions, valid, cache, rope, *args)
 
     def count(module, args, kwargs):
         (decided if kwargs.get("routed") is not None else own).append(1)
@@ -512,3 +512,27 @@ def test_assisted_decoding_equals_greedy_decoding(family, monkeypatch):
         with torch.no_grad():
             drafted = model.generate(text, max_new_tokens=24, do_sample=False, pad_token_id=PAD, assistant_model=draft)
         assert torch.equal(drafted, plain)
+
+
+def test_inference_writes_residual_updates_into_the_models_own_hidden_states():
+    """Without autograd every layer writes its residual update into the hidden states it was given (a sparse
+    layer its routed rows, no copy of the others), never into the caller's inputs_embeds, and the logits are
+    bit-identical to the out-of-place updates autograd needs."""
+    model = routed_model()
+    embeds = model.model.embed_tokens(prompt(2, 20, seed=4)).detach()
+    kept = embeds.clone()
+    same_storage = []
+    hooks = [layer.register_forward_hook(lambda module, args, out: same_storage.append(out[0].data_ptr() == args[0].data_ptr()))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        in_place = model(inputs_embeds=embeds, use_cache=False).logits
+    assert torch.equal(embeds, kept)
+    assert len(same_storage) == len(model.model.layers) and all(same_storage)
+    same_storage.clear()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    copied = model(inputs_embeds=embeds, use_cache=False).logits  # autograd on: each layer returns a new tensor
+    for hook in hooks:
+        hook.remove()
+    assert not any(same_storage)
+    assert torch.equal(in_place, copied)

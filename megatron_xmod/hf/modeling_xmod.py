@@ -311,7 +311,7 @@ class XModDecoderLayer(nn.Module):
         return attention, self.mlp(self.post_attention_layernorm(x + attention))
 
     def forward(self, x, positions, valid, cache=None, carried_bias=None, rule="threshold", routes_one=False,
-                documents=None, rope=None, routed=None, causal=False):
+                documents=None, rope=None, routed=None, causal=False, in_place=False):
         """Returns (x, token-choice bias after this layer or None for a dense layer). ``documents``:
         the document of each token of a packed input (attention stays inside it). ``causal``: a pass
         with nothing cached before it and no padding (:meth:`XModAttention.forward`).
@@ -319,12 +319,14 @@ class XModDecoderLayer(nn.Module):
         ``routes_one``: a decode step (one new token per sequence) known to route at least one of them
         here (:meth:`XModModel._decode_sparse_run`): the batch takes the static one-entry shape
         without reading the selection back from the device. ``routed``: ``(selected, rows, row_index)`` of a
-        decode step whose routing the model decided already (:meth:`_forward_routed`)."""
+        decode step whose routing the model decided already (:meth:`_forward_routed`). ``in_place``: the caller
+        owns ``x`` and needs no gradient: the residual update is written into ``x`` (a sparse layer's routed
+        rows without a copy of every row)."""
         if routed is not None:
-            return self._forward_routed(x, positions, valid, cache, carried_bias, rope, *routed)
+            return self._forward_routed(x, positions, valid, cache, carried_bias, rope, *routed, in_place=in_place)
         if not self.sparse:
             attention, mlp = self._attention_and_mlp(x, positions, valid, cache, documents, rope=rope, causal=causal)
-            return x + attention + mlp, None
+            return (x.add_(attention).add_(mlp) if in_place else x + attention + mlp), None
         cfg = self.config
         logits = self.router_logits(x)  # [b, n]
         carried = None if carried_bias is None else carried_bias.t()
@@ -337,7 +339,8 @@ class XModDecoderLayer(nn.Module):
             indices, keep = torch.zeros_like(decision.selected, dtype=torch.long), decision.selected
         else:
             first_pass = documents is None and (cache is None or cache.get_seq_length() == 0)
-            return self._forward_ragged(x, positions, valid, cache, decision, documents, rope, first_pass), bias
+            return self._forward_ragged(x, positions, valid, cache, decision, documents, rope, first_pass,
+                                        in_place), bias
         indices = indices.t()  # [b, k]
         keep = torch.ones_like(indices, dtype=torch.bool) if keep is None else keep.t()
         routed = torch.gather(x, 1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
@@ -353,9 +356,10 @@ class XModDecoderLayer(nn.Module):
         delta, gate = gated_residual(cfg.routing_family, attention, mlp, r, getattr(self, "gate_scale", None),
                                      keep.to(x.dtype))
         update = gate.unsqueeze(-1) * delta
-        return x.scatter_add(1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]), update), bias
+        rows = indices.unsqueeze(-1).expand(-1, -1, x.shape[-1])
+        return (x.scatter_add_(1, rows, update) if in_place else x.scatter_add(1, rows, update)), bias
 
-    def _forward_ragged(self, x, positions, valid, cache, decision, documents, rope, first_pass):
+    def _forward_ragged(self, x, positions, valid, cache, decision, documents, rope, first_pass, in_place=False):
         """The threshold rule's routed tokens of a pass, each sequence's own (padding tokens, ``valid``
         False, take no part): attention runs sequence by sequence on its routed tokens (the cache appends
         its entries), the norms and the MLP on all of them packed, so no sequence computes padding up to
@@ -391,9 +395,14 @@ class XModDecoderLayer(nn.Module):
         r = torch.sigmoid(decision.scores.t().reshape(-1).index_select(0, picked)).to(x.dtype)
         # Eq.(7) x + varsigma * r * (a + f), or Eq.(6) x + a + r * f (MoD)
         delta, gate = gated_residual(cfg.routing_family, attention, mlp, r, getattr(self, "gate_scale", None))
-        return x.reshape(b * n, h).index_add(0, picked, gate.unsqueeze(-1) * delta).view(b, n, h)
+        update = gate.unsqueeze(-1) * delta
+        if in_place:
+            x.view(b * n, h).index_add_(0, picked, update)
+            return x
+        return x.reshape(b * n, h).index_add(0, picked, update).view(b, n, h)
 
-    def _forward_routed(self, x, positions, valid, cache, carried_bias, rope, selected, rows=None, row_index=None):
+    def _forward_routed(self, x, positions, valid, cache, carried_bias, rope, selected, rows=None, row_index=None,
+                        in_place=False):
         """A decode step (one new token a sequence) whose routing is known: ``selected`` ``[b, 1]``, the
         sequences ``rows`` (ascending; ``row_index`` the same on the device; None: all of them).
         Attention and MLP run for those sequences alone, and the cache appends for them alone.
@@ -410,7 +419,10 @@ class XModDecoderLayer(nn.Module):
         delta, gate = gated_residual(cfg.routing_family, attention, mlp, torch.sigmoid(scores).to(x.dtype),
                                      getattr(self, "gate_scale", None))
         update = gate.unsqueeze(-1) * delta
-        x = x + update if rows is None else x.index_add(0, row_index, update)
+        if in_place:
+            x = x.add_(update) if rows is None else x.index_add_(0, row_index, update)
+        else:
+            x = x + update if rows is None else x.index_add(0, row_index, update)
         return x, update_token_choice_bias(carried_bias, selected, cfg.token_choice_bias_increment)
 
 
@@ -475,6 +487,11 @@ class XModModel(XModPreTrainedModel):
         if rule not in ("threshold", "topk"):
             raise ValueError(f"routing_rule: {rule!r} is not one of threshold, topk")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        # Without autograd the layers write their residual updates into x (a sparse layer's routed rows, not
+        # a copy of all of them a layer): x must be the model's own
+        in_place = not torch.is_grad_enabled()
+        if in_place and inputs_embeds is not None:
+            x = inputs_embeds.clone(memory_format=torch.contiguous_format)
         b, n = x.shape[:2]
         use_cache = cfg.use_cache if use_cache is None else use_cache
         if cache is not None and not isinstance(cache, XModCache):
@@ -522,10 +539,10 @@ class XModModel(XModPreTrainedModel):
         i = 0
         while i < len(self.layers):
             if decoding and self.layers[i].sparse:
-                i, x, bias = self._decode_sparse_run(i, x, position_ids, valid, cache, rope)
+                i, x, bias = self._decode_sparse_run(i, x, position_ids, valid, cache, rope, in_place)
                 continue
             x, bias = self.layers[i](x, position_ids, valid, cache, bias if cfg.carries_bias(i) else None, rule,
-                                     documents=documents, rope=rope, causal=causal)
+                                     documents=documents, rope=rope, causal=causal, in_place=in_place)
             i += 1
         if cache is not None:
             cache.advance(n)
@@ -542,7 +559,7 @@ class XModModel(XModPreTrainedModel):
                 runs.append((i, end))
         return runs
 
-    def _decode_sparse_run(self, start: int, x, positions, valid, cache, rope):
+    def _decode_sparse_run(self, start: int, x, positions, valid, cache, rope, in_place=False):
         """One decode step through the sparse layers ``start`` .. end of its run; returns (end, x, bias).
 
         A layer that routes none of the new tokens leaves x and the token-choice bias as they were, so
@@ -577,7 +594,8 @@ class XModModel(XModPreTrainedModel):
             layer = self.layers[i]
             column = [row[first] for row in states]
             if 1 in column:  # a score within rounding of 0: the layer's own routing decides
-                x, bias = layer(x, positions, valid, cache, bias, "threshold", routes_one=2 in column, rope=rope)
+                x, bias = layer(x, positions, valid, cache, bias, "threshold", routes_one=2 in column, rope=rope,
+                                in_place=in_place)
             else:
                 selected = state[:, first:first + 1] == 2
                 rows = [r for r in range(b) if column[r] == 2]
@@ -585,7 +603,7 @@ class XModModel(XModPreTrainedModel):
                     routed = (selected, None, None)
                 else:  # their indices on the device without a read: the state there is 2 (routed) or 0
                     routed = (selected, rows, torch.topk(state[:, first], len(rows)).indices.sort().values)
-                x, bias = layer(x, positions, valid, cache, bias, rope=rope, routed=routed)
+                x, bias = layer(x, positions, valid, cache, bias, rope=rope, routed=routed, in_place=in_place)
             i += 1
         return end, x, bias
 
