@@ -115,8 +115,9 @@ def git_commit() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "megatron_xmod", "bench", "csrc"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
+        # changed tracked code only: a run's own new result files under bench/results are not a change to it
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "megatron_xmod", "bench",
+                                "csrc"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
