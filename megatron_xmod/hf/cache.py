@@ -3,7 +3,7 @@
 A sparse layer attends only among the tokens it routed, so it only ever needs the keys and values
 of those tokens: its cache layer grows by one entry per *routed* token (about 1/K of them under the
 threshold rule), a dense layer's by one per token. Keys are stored after RoPE, i.e. at the token's
-original position, which is also kept (``positions``) for inspection.
+original position, which is also kept (``positions``: for inspection, and for ``XModCache.crop``).
 
 In a batch, sequences route different tokens, so a sparse layer keeps one buffer per sequence, as
 long as that sequence's entries: a pass (a prefill or a decode step) appends each sequence's routed
@@ -267,8 +267,7 @@ class SparseKVLayer(_KVLayer):
             if rows is not None and batch is None:
                 raise ValueError("batch: the first append for some sequences (rows) needs the batch size")
             self.lazy_initialization(key_states, value_states, batch)
-        every = rows is None
-        if every:
+        if rows is None:
             rows = list(range(self.batch))
         if n == 1:
             row, start = rows[0], self.fills[rows[0]]

@@ -123,7 +123,8 @@ class XModAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, valid: Optional[torch.Tensor],
                 cache: Optional[XModCache] = None, documents: Optional[torch.Tensor] = None,
-                rows: Optional[list[int]] = None, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, causal: bool = False) -> torch.Tensor:
+                rows: Optional[list[int]] = None, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                causal: bool = False) -> torch.Tensor:
         """``x`` ``[b, m, h]``: the tokens this layer processes, in order; ``valid`` ``[b, m]``: which of
         them other tokens may attend to (not padding; None: all of them). Each token attends causally to
         the valid tokens of this layer before it (cached ones included) and to itself; with ``documents``
