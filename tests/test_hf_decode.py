@@ -536,3 +536,37 @@ def test_inference_writes_residual_updates_into_the_models_own_hidden_states():
         hook.remove()
     assert not any(same_storage)
     assert torch.equal(in_place, copied)
+
+
+def test_crop_refuses_entries_out_of_token_order_and_drops_nothing():
+    """A padding token inside a pass, at a position given by position_ids below the dropped ones, leaves a
+    sparse layer's positions out of token order: crop cannot tell the dropped tokens' entries apart, so it
+    says so and leaves the cache as it was (generate's positions never do this). Dropping the padding token
+    alone keeps every valid entry; its own entry, invalid, may stay (attention masks it)."""
+    cache = XModCache(num_layers=2, sparse_layers=[True, False])
+    entry = lambda n: torch.ones(1, 1, n, 2)  # noqa: E731
+    for positions, valid in (([0, 1, 2], None), ([3], None), ([0], [False])):
+        positions = torch.tensor([positions])
+        valid = None if valid is None else torch.tensor([valid])
+        cache.begin_pass(1, positions, valid)
+        for layer_idx in range(2):
+            cache.update(entry(positions.shape[1]), entry(positions.shape[1]), layer_idx, valid, positions)
+        cache.advance(positions.shape[1])
+    with pytest.raises(ValueError, match="not in token order"):
+        cache.crop(-2)
+    assert cache.seen_tokens == 5 and cache.entries() == [4, 4] and cache.layers[0].fills == [5]
+    cache.crop(-1)
+    assert cache.seen_tokens == 4 and cache.entries() == [4, 4] and cache.layers[1].used == 4
+    assert cache.layers[0].sequence(0)[3][cache.layers[0].sequence(0)[2]].tolist() == [0, 1, 2, 3]
+
+
+def test_generate_says_it_ignores_a_cache_implementation():
+    """generate(cache_implementation="static") cannot give a routed model a static cache: it says so and
+    generates with the XModCache, the same tokens."""
+    model = routed_model()
+    with torch.no_grad():
+        plain = model.generate(prompt(), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+        with pytest.warns(UserWarning, match="cache_implementation"):
+            static = model.generate(prompt(), max_new_tokens=4, do_sample=False, pad_token_id=PAD,
+                                    cache_implementation="static")
+    assert torch.equal(static, plain)

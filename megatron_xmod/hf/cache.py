@@ -323,11 +323,20 @@ class SparseKVLayer(_KVLayer):
         return keys, values, valid[0], positions[0]
 
     def entries_before(self, cut: torch.Tensor) -> torch.Tensor:
-        """``[batch]``: how many of each sequence's entries lie at positions before ``cut`` ``[batch]`` (on the device)."""
-        counts = [torch.zeros((), dtype=torch.long, device=cut.device) if stored is None
-                  else (stored[3][0, :fill] < cut[row]).sum()
-                  for row, (fill, stored) in enumerate(zip(self.fills, self._sequences))]
-        return torch.stack(counts) if counts else cut.new_zeros(0)
+        """``[batch, 2]`` on the device: for each sequence, how many of its entries lie at positions before
+        ``cut[row]``, and 1 if those are its first entries (positions in token order, as the model appends
+        them), else 0."""
+        counts = []
+        for row, (fill, stored) in enumerate(zip(self.fills, self._sequences)):
+            if stored is None:
+                counts.append(torch.tensor([0, 1], device=cut.device))
+                continue
+            before = (stored[3][0, :fill] < cut[row].to(stored[3].device)).long()
+            # the entries before the cut come first iff the running product (1 until the first entry at or
+            # past it) sums to as many
+            count = before.sum()
+            counts.append(torch.stack([count, (before.cumprod(0).sum() == count).long()]).to(cut.device))
+        return torch.stack(counts) if counts else cut.new_zeros(0, 2)
 
     def keep_entries(self, counts: list[int]) -> None:
         """Keep the first ``counts[row]`` entries of each sequence (appends are in token order)."""
@@ -427,8 +436,8 @@ class XModCache(Cache):
         """Called by the model before a forward pass over ``sequences`` sequences whose new tokens sit at
         ``positions`` ``[b, n]`` (``valid``: which are not padding; None: all), kept for :meth:`crop`."""
         self.sequences = sequences
-        if positions is not None:
-            self._passes.append((positions, valid))
+        if positions is not None:  # copies: the caller may reuse its tensors for the next pass
+            self._passes.append((positions.clone(), None if valid is None else valid.clone()))
             if len(self._passes) > 64:  # a decode step is a pass: keep one tensor, not one per token
                 self._passes = [self._tokens()]
 
@@ -442,7 +451,10 @@ class XModCache(Cache):
         """Drop the last ``-tokens_to_remove`` tokens of every sequence (transformers' convention: a count <= 0;
         assisted decoding drops a rejected draft's tail so). Dense layers drop their last columns. A sparse
         layer holds a sequence's routed tokens in token order, at increasing positions, so it drops those at
-        or past the position of the sequence's first dropped (valid) token: one device read for all layers."""
+        or past the position of the sequence's first dropped (valid) token: one device read for all layers.
+        Valid entries come out exactly as in a cache that never saw the dropped tokens; an invalid entry
+        (a padding token's, masked by attention) may stay. Entries out of token order (padding inside a pass
+        at positions given by ``position_ids``) are refused before anything is dropped."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop: tokens_to_remove is minus the number of tokens to drop (transformers' "
                              f"convention), got {tokens_to_remove}; pass -{tokens_to_remove}")
@@ -460,8 +472,12 @@ class XModCache(Cache):
         cut = dropped.amin(1)  # [b]: the first dropped token's position (max: nothing valid dropped)
         sparse = [layer for layer in self.layers if layer.sparse and layer.is_initialized]
         counts = torch.stack([layer.entries_before(cut) for layer in sparse]).tolist() if sparse else []
-        for layer, kept in zip(sparse, counts):
-            layer.keep_entries(kept)
+        if not all(ordered for layer_counts in counts for _, ordered in layer_counts):
+            raise ValueError("crop: a sparse layer holds entries whose positions are not in token order (padding "
+                             "inside a pass, at positions given by position_ids), so the dropped tokens' entries "
+                             "cannot be told apart; nothing was dropped")
+        for layer, layer_counts in zip(sparse, counts):
+            layer.keep_entries([count for count, _ in layer_counts])
         for layer in self.layers:
             if not layer.sparse:
                 layer.keep_tokens(keep)

@@ -21,6 +21,7 @@ Shapes are batch-first ``[b, s, h]`` here; the routing functions take megatron's
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -648,6 +649,9 @@ class XModForCausalLM(XModPreTrainedModel, GenerationMixin):
         """``generate`` starts with an XModCache (its default, transformers' DynamicCache, cannot hold a sparse
         layer's entries): assisted decoding needs the cache before the first pass, to crop rejected drafts."""
         if model_kwargs.get(_CACHE_FIELD) is None and generation_config.use_cache is not False:
+            if getattr(generation_config, "cache_implementation", None) is not None:
+                warnings.warn(f"cache_implementation: a routed model generates with its XModCache; "
+                              f"{generation_config.cache_implementation!r} is ignored", stacklevel=2)
             model_kwargs[_CACHE_FIELD] = XModCache(self.config)
             return None
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
