@@ -560,6 +560,10 @@ def test_crop_refuses_entries_out_of_token_order_and_drops_nothing():
     cache.crop(-1)
     assert cache.seen_tokens == 4 and cache.entries() == [4, 4] and cache.layers[1].used == 4
     assert cache.layers[0].sequence(0)[3][cache.layers[0].sequence(0)[2]].tolist() == [0, 1, 2, 3]
+    cache.layers[1].crop(-1)  # a dense layer crops alone (one column a token); a sparse layer cannot
+    assert cache.layers[1].used == 3
+    with pytest.raises(ValueError, match="crop the XModCache"):
+        cache.layers[0].crop(-1)
 
 
 def test_generate_says_it_ignores_a_cache_implementation():

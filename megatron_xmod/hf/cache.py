@@ -26,6 +26,14 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
+def tokens_to_drop(tokens_to_remove: int) -> int:
+    """The number of tokens ``crop(tokens_to_remove)`` drops: transformers' convention is a count <= 0."""
+    if tokens_to_remove > 0:
+        raise ValueError(f"crop: tokens_to_remove is minus the number of tokens to drop (transformers' "
+                         f"convention), got {tokens_to_remove}; pass -{tokens_to_remove}")
+    return -tokens_to_remove
+
+
 class _KVLayer(CacheLayerMixin):
     """What both layer caches share: transformers' interface around ``update`` / ``select_batch``."""
 
@@ -41,10 +49,6 @@ class _KVLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("crop: a sparse layer's entries are not one per token; crop the XModCache, which "
-                                  "knows the positions of the tokens it drops")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.select_batch(beam_idx)
@@ -146,6 +150,10 @@ class DenseKVLayer(_KVLayer):
         if self.is_initialized and count < self.used:
             self.used = count
             self._set_views()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` columns (transformers' convention: a count <= 0)."""
+        self.keep_tokens(self.used - tokens_to_drop(tokens_to_remove))
 
     def entries_per_sequence(self) -> list[int]:
         """Valid entries of each sequence (one device read)."""
@@ -338,6 +346,10 @@ class SparseKVLayer(_KVLayer):
             counts.append(torch.stack([count, (before.cumprod(0).sum() == count).long()]).to(cut.device))
         return torch.stack(counts) if counts else cut.new_zeros(0, 2)
 
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("crop: a sparse layer holds entries of the tokens it routed, not one a token, so it cannot "
+                         "tell alone which to drop; crop the XModCache, which knows the dropped tokens' positions")
+
     def keep_entries(self, counts: list[int]) -> None:
         """Keep the first ``counts[row]`` entries of each sequence (appends are in token order)."""
         self.fills = [min(fill, count) for fill, count in zip(self.fills, counts)]
@@ -455,10 +467,7 @@ class XModCache(Cache):
         Valid entries come out exactly as in a cache that never saw the dropped tokens; an invalid entry
         (a padding token's, masked by attention) may stay. Entries out of token order (padding inside a pass
         at positions given by ``position_ids``) are refused before anything is dropped."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop: tokens_to_remove is minus the number of tokens to drop (transformers' "
-                             f"convention), got {tokens_to_remove}; pass -{tokens_to_remove}")
-        drop = -tokens_to_remove
+        drop = tokens_to_drop(tokens_to_remove)
         if drop == 0:
             return
         if drop > self.seen_tokens:
@@ -480,7 +489,7 @@ class XModCache(Cache):
             layer.keep_entries([count for count, _ in layer_counts])
         for layer in self.layers:
             if not layer.sparse:
-                layer.keep_tokens(keep)
+                layer.crop(-drop)
         self._passes = [(positions[:, :keep], valid[:, :keep])]
         self.seen_tokens = keep
 
