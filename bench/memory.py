@@ -73,7 +73,7 @@ def measure(backbone, layout, seq_len, family="xmod", plain_router=False):
     rope = model.rotary_pos_emb(seq_len)
     original = XModSparseLayer._router_logits
     if plain_router:
-        XModSparseLayer._router_logits = lambda self, h: (F.linear(h, self.router.weight).squeeze(-1).float(), None, h)
+        XModSparseLayer._router_logits = lambda self, h, stream_grad=None: (F.linear(h, self.router.weight).squeeze(-1).float(), None, h)
     try:
         return saved_bytes_per_layer(model, x, rope)
     finally:

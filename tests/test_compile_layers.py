@@ -1,5 +1,6 @@
 """``--xmod-compile-layers``: every layer's compute is one compiled region (megatron_xmod.xmod.compile) that
-equals the eager layer, is what the step runs, and is shared by the layers of one kind; what it does not
+equals the eager layer, is what the step runs, and is shared by the layers of one kind (a routed layer's update
+written into the block's residual stream in place along a chain); what it does not
 cover is refused by field name before anything is built. And the fused CPU Adam that megatron's optimizer
 gets on CPU (cpu_shim patch 29) steps as torch's loop implementation does."""
 import os
@@ -61,6 +62,14 @@ def test_compiled_layers_equal_eager_and_run_as_shared_graphs(seeded):
     for layer in dense:
         assert isinstance(layer.forward, CompiledDenseForward)
         layer.forward.compiled = dense_calls
+    in_place = []  # per routed layer call: did it write its update into its input's storage?
+
+    def same_storage(layer, args, kwargs, output):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        in_place.append(output[0].untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr())
+
+    for layer in routed:
+        layer.register_forward_hook(same_storage, with_kwargs=True)
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     for _ in range(2):  # the second step runs the compiled graphs, and the routing state carries over
         ref_logits, ref_grads = _step(eager, tokens)
@@ -71,6 +80,8 @@ def test_compiled_layers_equal_eager_and_run_as_shared_graphs(seeded):
             torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
     # every layer ran its compiled region, each step; the routing state (bias hand-over, statistics) equals eager's
     assert routed_calls.calls == 2 * len(routed) and dense_calls.calls == 2 * len(dense)
+    # The chains S4*3 and S4*2: each chain's first layer updates a copy of its input, the later ones write into it
+    assert in_place == [False, True, True, False, True] * 2
     assert report(compiled) == pytest.approx(report(eager), abs=1e-6)
     # One graph per layer kind for training, not one per layer (fullgraph: a graph break would have raised).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2

@@ -16,7 +16,7 @@ SEQ = 32
 LAYOUT = "D + (S4*3 + D)*2"
 
 
-def _plain_router(self, hidden_states):
+def _plain_router(self, hidden_states, stream_grad=None):
     """Today's router (before megatron_xmod.xmod.routing_state): nn.Linear on the full input, which autograd saves."""
     return F.linear(hidden_states, self.router.weight).squeeze(-1).float(), None, hidden_states  # the step adds the bias
 

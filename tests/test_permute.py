@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_xmod
 from megatron_xmod.xmod import permute
@@ -111,27 +112,26 @@ def test_reference_gradcheck_fp64(shape):
     assert torch.autograd.gradcheck(lambda a: reference.split_unique_tokens(a, idx)[1].cos(), (x,))
 
 
+class FullLengthOutputs(TorchDispatchMode):
+    """The aten ops that make a new buffer as large as x (views and in-place ops make none)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.names = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
+        if (isinstance(out, torch.Tensor) and out.numel() == self.numel
+                and out.untyped_storage().data_ptr() not in inputs):
+            self.names.append(str(func.overloadpacket))
+        return out
+
+
 def test_split_unique_tokens_is_one_pass_over_the_residual_gradient():
     """A routed update reading x twice (rows and residual) through split_unique_tokens: the same output and
     gradient as gather + scatter, and its backward makes one full-length buffer (the residual's gradient with
     the rows written in), where two uses of x make autograd scatter into zeros and add."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class FullLengthOutputs(TorchDispatchMode):
-        """The aten ops of the backward that make a new buffer as large as x (views and in-place ops make none)."""
-
-        def __init__(self, numel):
-            super().__init__()
-            self.numel, self.names = numel, []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
-            if (isinstance(out, torch.Tensor) and out.numel() == self.numel
-                    and out.untyped_storage().data_ptr() not in inputs):
-                self.names.append(str(func.overloadpacket))
-            return out
-
     x, y, gate, idx, go_full, _ = make_inputs((64, 2, 8, 16), torch.float64, seed=3)
     results = {}
     for name in ("two uses", "split"):
@@ -148,6 +148,77 @@ def test_split_unique_tokens_is_one_pass_over_the_residual_gradient():
     torch.testing.assert_close(results["split"][1], results["two uses"][1], rtol=1e-15, atol=1e-15)
     assert len(results["split"][2]) == 1, results["split"][2]  # the residual's gradient, rows written in
     assert len(results["two uses"][2]) >= 3, results["two uses"][2]  # zeros, rows written, the sum
+
+
+def _chain_of_updates(x, weights, rows, in_place, loss_shared_with=None):
+    """Routed layers in series on x [s, b, h], each: logits = x w (the chained router of
+    megatron_xmod.xmod.routing_state), x[rows] += sigmoid(logits[rows]) * tanh(x[rows]); in place along the
+    router-input chain (permute.reference.rows_for_update / add_rows_) or out of place (gather + scatter).
+    Returns (output, full-length buffers made forward, backward, the layers' StreamGrads)."""
+    from megatron_xmod.xmod.routing_state import RouterInputChain, router_logits
+
+    chain_handover, handovers = RouterInputChain(), []
+    with FullLengthOutputs(x.numel()) as forward_ops:
+        h = x
+        for n, (weight, layer_rows) in enumerate(zip(weights, rows), start=1):
+            router = torch.nn.Linear(x.shape[-1], 1, bias=False)
+            router.weight = weight
+            stream_grad = reference.StreamGrad() if in_place else None
+            logits, chain, alias = router_logits(router, h, chain_handover, n, stream_grad)
+            gate = torch.sigmoid(logits.reshape(-1)[layer_rows]).unsqueeze(-1)
+            if in_place:
+                stream = h if stream_grad.router else h.clone()
+                routed = reference.rows_for_update(stream, layer_rows, stream_grad, logits if stream_grad.router else None)
+                h = reference.add_rows_(stream, layer_rows, gate * routed.tanh(), stream_grad)
+                handovers.append(stream_grad)
+            else:
+                flat = alias.reshape(-1, x.shape[-1])
+                routed = flat.index_select(0, layer_rows)
+                h = flat.index_add(0, layer_rows, gate * routed.tanh()).view_as(x)
+            chain_handover.put(n, chain, h, layer_rows, routed.detach())
+    out = h if loss_shared_with is None else h + loss_shared_with  # an add's backward: one tensor, both summands
+    with FullLengthOutputs(x.numel()) as backward_ops:
+        (out * torch.linspace(-1, 1, x.shape[-1], dtype=x.dtype)).sum().backward()
+    return out.detach(), forward_ops.names, backward_ops.names, handovers
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_in_place_routed_updates_equal_out_of_place_with_one_full_length_buffer_a_chain(shared):
+    """Three routed updates along a router-input chain, in place (the compiled layers' path): the output and
+    every gradient equal the out-of-place updates'; the chain's first layer copies its input and later ones
+    write into that copy (one storage), and backward makes one gradient buffer for the chain (the rows' and the
+    routers' gradients added in place), where out of place each layer makes one forward and one backward.
+    ``shared``: the output's gradient is also another tensor's (an add), which must not be written into."""
+    s, b, h = 32, 2, 8
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randn(s, b, h, dtype=torch.float64, generator=g)
+    w0 = [torch.randn(1, h, dtype=torch.float64, generator=g) for _ in range(3)]
+    rows = [torch.randperm(s * b, generator=g)[:12].sort().values for _ in range(3)]
+    other0 = torch.randn(s, b, h, dtype=torch.float64, generator=g)
+    results = {}
+    for in_place in (True, False):
+        x = x0.clone().requires_grad_(True)
+        weights = [torch.nn.Parameter(w.clone()) for w in w0]
+        other = other0.clone().requires_grad_(True) if shared else None
+        out, forward_ops, backward_ops, handovers = _chain_of_updates(x, weights, rows, in_place, other)
+        grads = [x.grad] + [w.grad for w in weights] + ([other.grad] if shared else [])
+        results[in_place] = (out, grads, forward_ops, backward_ops, handovers)
+    out, grads, forward_ops, backward_ops, handovers = results[True]
+    torch.testing.assert_close(out, results[False][0], rtol=0, atol=0)
+    for got, want in zip(grads, results[False][1]):
+        torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+    if shared:  # the other summand's gradient is the loss's own, untouched
+        torch.testing.assert_close(grads[-1], torch.linspace(-1, 1, h, dtype=torch.float64).expand(s, b, h))
+    assert [handover.router for handover in handovers] == [False, True, True]
+    assert forward_ops == ["aten.clone"], forward_ops  # the chain's copy of its input; the later layers write into it
+    assert backward_ops.count("aten.index_put") == 1, backward_ops  # the chain's one gradient buffer
+    # Backward, the chain's full-length buffers: the output's gradient copied once with the rows' gradients added
+    # (index_put), the router-input rebuild buffer (a clone), the first router's outer product and autograd's sum
+    # of it with the stream's gradient; out of place, each layer makes a zero-filled rows' gradient, adds it, and
+    # adds its router's outer product into a fresh buffer.
+    assert backward_ops.count("aten.index_put") == 1, backward_ops
+    assert not {"aten.index_add", "aten.new_zeros", "aten.addcmul"} & set(backward_ops), backward_ops
+    assert len(results[False][2]) == 3 and len(results[False][3]) - len(backward_ops) >= 8, results[False][2:4]
 
 
 # ---------------------------------------------------------------- backend vs fp64 truth

@@ -6,10 +6,12 @@ forward and backward (RMSNorms, RoPE, SwiGLU, residual adds, the gather and the 
 dispatch and a pass over memory. ``torch.compile(dynamic=False)`` traces a layer's compute once and
 Inductor fuses those ops, forward and backward, as megatron's ``jit_fuser`` does for its few fused ops:
 
-- a routed layer: :func:`~megatron_xmod.xmod.layers.plain_routed_update` (token gather, attention and MLP
-  on the routed tokens, gated residual, gated scatter) under the top-k rule; the router, the routing step
-  (whose statistics and bias hand-over write the routing state's buffers) and the router loss stay eager,
-  as does the threshold rule of evaluation (its widths are data-dependent);
+- a routed layer: :func:`~megatron_xmod.xmod.layers.plain_routed_rows` (attention and MLP on the gathered
+  routed rows, the gated update of those rows) under the top-k rule; the router, the routing step (whose
+  statistics and bias hand-over write the routing state's buffers), the router loss, and the gather and
+  the in-place add of the rows into the block's residual stream (``XModSparseLayer._routed_update_in_place``:
+  a compiled region's output can be written in place only by copying it whole) stay eager, as does the
+  threshold rule of evaluation (its widths are data-dependent);
 - a dense layer: megatron's ``TransformerLayer.forward`` when called without packed sequences or an
   inference context.
 
@@ -29,7 +31,7 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_xmod.xmod.config import check_compile_compatibility
-from megatron_xmod.xmod.layers import XModSparseLayer, plain_routed_update
+from megatron_xmod.xmod.layers import XModSparseLayer, plain_routed_rows
 
 _TE_MODULES = ("megatron.core.extensions.transformer_engine", "transformer_engine")
 
@@ -82,7 +84,7 @@ def compile_layers(model: torch.nn.Module) -> dict:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
     _constant_tp_group_lookup()
     # fullgraph: a graph break is an error at the first step, not a silent split into slower pieces
-    routed_update = torch.compile(plain_routed_update, dynamic=False, fullgraph=True)
+    routed_update = torch.compile(plain_routed_rows, dynamic=False, fullgraph=True)
     dense_forward = torch.compile(_dense_forward, dynamic=False, fullgraph=True)
     wired = {"dense": 0, "routed": 0}
     for layer in layers:

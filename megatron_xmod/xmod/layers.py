@@ -31,6 +31,7 @@ from megatron_xmod.xmod.config import check_cuda_graph_compatibility, check_rout
 from megatron_xmod.xmod.kernels import routing_step
 from megatron_xmod.xmod.permute import ResidualGrad, gather_tokens, scatter_gated
 from megatron_xmod.xmod.permute import reference as reference_permute
+from megatron_xmod.xmod.permute.reference import StreamGrad
 from megatron_xmod.xmod.routing import (
     SparseLayerRouting,
     capacity_selection,
@@ -318,17 +319,16 @@ def _context_parallel_document_mask(document_mask: torch.Tensor, rows: torch.Ten
     return _mask_at(document_mask, rows[:, rank].t(), keys)
 
 
-def plain_routed_update(layer: XModSparseLayer, hidden_states, indices, gate, rotary_pos_emb):
-    """``layer``'s top-k routed update in plain torch ops, as ``_routed_update`` computes it without sequence
-    or context parallelism, padding or a document mask: (x with the routed tokens updated, the gathered routed
-    input). ``gate``: the routing step's [k, b] (varsigma included). What ``--xmod-compile-layers`` compiles
-    (megatron_xmod.xmod.compile): no index check (it reads the device), no kernel backend; the residual and the
-    routed rows come from one autograd node (``split_unique_tokens``, ResidualGrad's role), whose backward
-    writes the rows' gradients into the residual's in one pass (top-k's indices are unique)."""
-    residual, routed = reference_permute.split_unique_tokens(hidden_states, indices)
-    attention, mlp = layer._attention_and_mlp(routed, _gather_positions(rotary_pos_emb, indices))
-    delta, gate = gated_residual(layer.routing.family, attention, mlp, gate.to(hidden_states.dtype))
-    return reference_permute.scatter_gated(residual, delta, gate, indices), routed
+def plain_routed_rows(layer: XModSparseLayer, routed, indices, gate, rotary_pos_emb):
+    """``layer``'s top-k update of its routed rows in plain torch ops: gate * delta [k*b, h] of the gathered
+    rows ``routed`` [k*b, h] at positions ``indices`` [k, b] (sequence order), as ``_routed_update`` computes
+    it without sequence or context parallelism, padding or a document mask; ``gate``: the routing step's
+    [k, b] (varsigma included). What ``--xmod-compile-layers`` compiles (megatron_xmod.xmod.compile): the
+    rows are gathered and the update added to the residual stream outside (``_routed_update_in_place``)."""
+    k, b = indices.shape
+    attention, mlp = layer._attention_and_mlp(routed.view(k, b, -1), _gather_positions(rotary_pos_emb, indices))
+    delta, gate = gated_residual(layer.routing.family, attention, mlp, gate.to(routed.dtype))
+    return (gate.unsqueeze(-1) * delta).view(k * b, -1)
 
 
 def _cuda_graphs(config) -> bool:
@@ -401,8 +401,12 @@ class XModSparseLayer(TransformerLayer):
         seq_len, batch = hidden_states.shape[:2]
         seq_len *= self._sequence_shards() * self._cp_size()  # under SP and CP routing ranks the whole sequence
         phase = recompute_phase(self.training)  # "first" / "replay" under full recompute, else None
+        # The compiled top-k update adds its rows to the block's residual stream in place (_routed_update_in_place)
+        stream_grad = StreamGrad() if (self.compiled_update is not None and self.training and attention_mask is None
+                                       and samples == 1 and not self.config.sequence_parallel
+                                       and self.cp_group is None) else None
         # [s, b] x w over the whole sequence (the routing step adds the bias), and x as the routed update reads it
-        logits, chain, routed_input = self._router_logits(hidden_states)
+        logits, chain, routed_input = self._router_logits(hidden_states, stream_grad)
         carried_bias, previous_selected = self._take_bias(state, (seq_len, batch), phase)
         rule = "topk" if self.training else state.eval_rule
         tau = routing.effective_tau(state.iteration)  # during a training run the warm-up's value, else the full tau
@@ -420,7 +424,10 @@ class XModSparseLayer(TransformerLayer):
             state.observe(self.layer_number, logits + self.router.bias.float(), decision)
 
         indices = decision.topk_indices
-        if indices is not None:
+        if stream_grad is not None:
+            output, routed = self._routed_update_in_place(hidden_states, indices, step.flat_rows, gate, rotary_pos_emb,
+                                                          stream_grad, logits)
+        elif indices is not None:
             output, routed = self._routed_update(routed_input, indices, decision.scores, rotary_pos_emb,
                                                  gate=gate, document_mask=attention_mask)
         else:
@@ -512,7 +519,7 @@ class XModSparseLayer(TransformerLayer):
     def _sequence_shards(self) -> int:
         return self.tp_group.size() if self.config.sequence_parallel else 1
 
-    def _router_logits(self, hidden_states):
+    def _router_logits(self, hidden_states, stream_grad=None):
         """(router logits x w [s, b] in fp32 over the whole sequence, without the router's bias (the routing
         step adds it); the router-input chain of the block (megatron_xmod.xmod.routing_state: the
         full-length input is saved once per block, not per layer); x as the routed update reads it
@@ -520,7 +527,8 @@ class XModSparseLayer(TransformerLayer):
         # Under CUDA graphs each layer is captured on its own, from a static input buffer: the chain (weak
         # references checked in Python) cannot cross graphs, so every layer saves its own router input.
         chain_handover = None if _cuda_graphs(self.config) else self.routing_state.router_inputs
-        logits, chain, routed_input = router_logits(self.router, hidden_states, chain_handover, self.layer_number)
+        logits, chain, routed_input = router_logits(self.router, hidden_states, chain_handover, self.layer_number,
+                                                    stream_grad)
         logits = logits.squeeze(-1).float()
         if self.config.sequence_parallel:
             # L scalars per sequence: every TP rank gets them all and makes the same selection; the
@@ -637,8 +645,9 @@ class XModSparseLayer(TransformerLayer):
             return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid, gate,
                                                          document_mask, batch_mask), None
         if (self.compiled_update is not None and valid is None and gate is not None and document_mask is None
-                and batch_mask is None):  # top-k at static shapes: the compiled region
-            return self.compiled_update(self, hidden_states, indices, gate, rotary_pos_emb)
+                and batch_mask is None):  # top-k at static shapes (evaluation): the compiled region
+            return self._routed_update_in_place(hidden_states, indices, flat_rows(indices, indices.shape[1]), gate,
+                                                rotary_pos_emb, StreamGrad())
         # A threshold batch (valid given) is not sorted past its real tokens: plain-torch permutation, and
         # no check of the sorted order the other backends need.
         backend, check = (None, None) if valid is None else ("torch", False)
@@ -655,6 +664,19 @@ class XModSparseLayer(TransformerLayer):
         delta, gate = gated_residual(self.routing.family, attention, mlp, r, scale, keep)
         return scatter_gated(hidden_states, delta, gate, indices, backend=backend, check=check,
                              residual=residual), routed
+
+    def _routed_update_in_place(self, hidden_states, indices, rows, gate, rotary_pos_emb, stream_grad, logits=None):
+        """The compiled top-k update (``compiled_update``: :func:`plain_routed_rows`) added to the residual stream
+        in place: (the stream with the rows ``rows`` [k*b] updated, the gathered rows [k*b, h]). The stream is
+        ``hidden_states`` itself where it continues the router-input chain (``stream_grad.router``, wired by
+        ``_router_logits``: the previous routed layer's output, which nothing saved; the router's backward then
+        completes its gradient, after the gather's, which ``logits`` orders), else a copy of it (the chain's
+        first layer, or no autograd). Full-length passes: none forward along a chain, one per chain backward
+        (permute.reference.StreamGrad), where the out-of-place update made two a layer."""
+        stream = hidden_states if stream_grad.router else hidden_states.clone()
+        routed = reference_permute.rows_for_update(stream, rows, stream_grad, logits if stream_grad.router else None)
+        update = self.compiled_update(self, routed, indices, gate, rotary_pos_emb)
+        return reference_permute.add_rows_(stream, rows, update, stream_grad), routed
 
     def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None,
                                          document_mask=None, batch_mask=None):

@@ -720,6 +720,9 @@ class ChainCursor:
     def __init__(self):
         self._buffer: Optional[torch.Tensor] = None
         self._applied: list[ChainLink] = []  # the links in the buffer, in order (dropped as it steps back)
+        # the residual stream's gradient buffer the chain's in-place updates made and write in backward
+        # (megatron_xmod.xmod.permute.reference.StreamGrad)
+        self.stream_grad: Optional[torch.Tensor] = None
 
     def input(self, base: torch.Tensor, links: list[ChainLink]) -> torch.Tensor:
         """x_l for a layer whose chain is ``links`` (l = len(links)); valid until the next call."""
@@ -751,10 +754,10 @@ class RouterLogits(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, base, cursor, *links):
-        ctx.x_shape, ctx.has_bias, ctx.cursor = x.shape, bias is not None, cursor
+    def forward(ctx, x, weight, bias, base, cursor, stream_grad, *links):
+        ctx.x_shape, ctx.has_bias, ctx.cursor, ctx.stream_grad = x.shape, bias is not None, cursor, stream_grad
         ctx.save_for_backward(weight, base, *links)
-        return F.linear(x, weight, bias), x.view_as(x)
+        return F.linear(x, weight, bias), None if stream_grad is not None else x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad_output, grad_alias):
@@ -763,31 +766,47 @@ class RouterLogits(torch.autograd.Function):
         links = [ChainLink(*flat_links[i:i + width]) for i in range(0, len(flat_links), width)]
         grad = grad_output.reshape(-1, grad_output.shape[-1])  # [s*b, 1]
         grad_x = grad_weight = grad_bias = None
+        stream = None
+        if ctx.stream_grad is not None and ctx.stream_grad.router:  # the chain's own buffer, written in place
+            stream, ctx.stream_grad.grad = ctx.stream_grad.grad, None
         if ctx.needs_input_grad[0]:
-            grad_x = (grad * weight if grad_alias is None else
-                      torch.addcmul(grad_alias.reshape(grad.shape[0], -1), grad, weight)).view(ctx.x_shape)
+            if stream is not None:
+                stream.view(grad.shape[0], -1).addcmul_(grad, weight)
+                grad_x = stream  # the buffer itself, not a view: the next update down the chain knows it by identity
+            else:
+                grad_x = (grad * weight if grad_alias is None else
+                          torch.addcmul(grad_alias.reshape(grad.shape[0], -1), grad, weight)).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # as addmm's backward computes it: (x^T g)^T
             x = ctx.cursor.input(base, links)
             grad_weight = x.reshape(-1, x.shape[-1]).t().mm(grad).t()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
-        return (grad_x, grad_weight, grad_bias, None, None) + (None,) * len(flat_links)
+        return (grad_x, grad_weight, grad_bias, None, None, None) + (None,) * len(flat_links)
 
 
-def router_logits(router: torch.nn.Linear, x: torch.Tensor, chain_handover: Optional[RouterInputChain], layer_number: int):
+def router_logits(router: torch.nn.Linear, x: torch.Tensor, chain_handover: Optional[RouterInputChain], layer_number: int,
+                  stream_grad=None):
     """(router logits x w [s, b, 1] without the router's bias (the routing step adds it:
     megatron_xmod.xmod.kernels.routing_step), the chain for :meth:`RouterInputChain.put` or None (no
     ``chain_handover``, e.g. under CUDA graphs, or nothing to save: no autograd, where a plain linear
     does), and the tensor the layer's routed update should read x from: :class:`RouterLogits`'s alias of
-    x, or x itself)."""
+    x, or x itself).
+
+    ``stream_grad``: the gradient hand-over of a layer whose update is in place
+    (megatron_xmod.xmod.permute.reference.StreamGrad), which this call wires to the chain; no alias is then
+    returned (None). Where x continues a chain (``stream_grad.router`` then True) the router's backward adds
+    its part of x's gradient into the chain's buffer in place and returns it."""
     if not (torch.is_grad_enabled() and router.weight.requires_grad):
         return F.linear(x, router.weight), None, x
     chain = None if chain_handover is None else chain_handover.take(layer_number, x)
+    continues = chain is not None
     if chain is None:  # x starts a chain (or saves itself): it is its own base
         chain = (x.detach(), [], ChainCursor())
     base, links, cursor = chain
+    if stream_grad is not None:
+        stream_grad.chain, stream_grad.router = cursor, continues
     flat = [t for link in links for t in link]
-    logits, alias = RouterLogits.apply(x, router.weight, None, base, cursor, *flat)
+    logits, alias = RouterLogits.apply(x, router.weight, None, base, cursor, stream_grad, *flat)
     return logits, None if chain_handover is None else chain, alias
 
 
