@@ -523,7 +523,7 @@ class XModSparseLayer(TransformerLayer):
         """(router logits x w [s, b] in fp32 over the whole sequence, without the router's bias (the routing
         step adds it); the router-input chain of the block (megatron_xmod.xmod.routing_state: the
         full-length input is saved once per block, not per layer); x as the routed update reads it
-        (routing_state.router_logits))."""
+        (routing_state.router_logits; None when ``stream_grad``, an in-place update's hand-over, is given))."""
         # Under CUDA graphs each layer is captured on its own, from a static input buffer: the chain (weak
         # references checked in Python) cannot cross graphs, so every layer saves its own router input.
         chain_handover = None if _cuda_graphs(self.config) else self.routing_state.router_inputs
@@ -668,13 +668,14 @@ class XModSparseLayer(TransformerLayer):
     def _routed_update_in_place(self, hidden_states, indices, rows, gate, rotary_pos_emb, stream_grad, logits=None):
         """The compiled top-k update (``compiled_update``: :func:`plain_routed_rows`) added to the residual stream
         in place: (the stream with the rows ``rows`` [k*b] updated, the gathered rows [k*b, h]). The stream is
-        ``hidden_states`` itself where it continues the router-input chain (``stream_grad.router``, wired by
-        ``_router_logits``: the previous routed layer's output, which nothing saved; the router's backward then
-        completes its gradient, after the gather's, which ``logits`` orders), else a copy of it (the chain's
-        first layer, or no autograd). Full-length passes: none forward along a chain, one per chain backward
-        (permute.reference.StreamGrad), where the out-of-place update made two a layer."""
-        stream = hidden_states if stream_grad.router else hidden_states.clone()
-        routed = reference_permute.rows_for_update(stream, rows, stream_grad, logits if stream_grad.router else None)
+        ``hidden_states`` itself where it continues the router-input chain (``stream_grad.continues``, wired by
+        ``_router_logits``: the previous routed layer's output, which nothing saved), else a copy of it (the
+        chain's first layer, or no autograd). The router's backward completes the input's gradient, after the
+        gather's, which ``logits`` orders. Full-length buffers: one a chain forward (the copy) and one a chain
+        backward (permute.reference.StreamGrad), where the out-of-place update made two a layer."""
+        stream = hidden_states if stream_grad.continues else hidden_states.clone()
+        routed = reference_permute.rows_for_update(stream, rows, stream_grad,
+                                                   logits if stream_grad.chain is not None else None)
         update = self.compiled_update(self, routed, indices, gate, rotary_pos_emb)
         return reference_permute.add_rows_(stream, rows, update, stream_grad), routed
 

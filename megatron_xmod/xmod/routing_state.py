@@ -767,8 +767,10 @@ class RouterLogits(torch.autograd.Function):
         grad = grad_output.reshape(-1, grad_output.shape[-1])  # [s*b, 1]
         grad_x = grad_weight = grad_bias = None
         stream = None
-        if ctx.stream_grad is not None and ctx.stream_grad.router:  # the chain's own buffer, written in place
+        if ctx.stream_grad is not None:  # an in-place update's: the chain's own buffer, written in place
             stream, ctx.stream_grad.grad = ctx.stream_grad.grad, None
+            if not ctx.stream_grad.continues:  # the chain's first layer: the buffer leaves the chain as x's gradient
+                ctx.cursor.stream_grad = None
         if ctx.needs_input_grad[0]:
             if stream is not None:
                 stream.view(grad.shape[0], -1).addcmul_(grad, weight)
@@ -793,9 +795,9 @@ def router_logits(router: torch.nn.Linear, x: torch.Tensor, chain_handover: Opti
     x, or x itself).
 
     ``stream_grad``: the gradient hand-over of a layer whose update is in place
-    (megatron_xmod.xmod.permute.reference.StreamGrad), which this call wires to the chain; no alias is then
-    returned (None). Where x continues a chain (``stream_grad.router`` then True) the router's backward adds
-    its part of x's gradient into the chain's buffer in place and returns it."""
+    (megatron_xmod.xmod.permute.reference.StreamGrad), which this call wires to the chain (``continues``:
+    x is the previous routed layer's output); the router's backward then adds its part of x's gradient
+    into the chain's buffer in place and returns it, and no alias is returned (None)."""
     if not (torch.is_grad_enabled() and router.weight.requires_grad):
         return F.linear(x, router.weight), None, x
     chain = None if chain_handover is None else chain_handover.take(layer_number, x)
@@ -804,7 +806,7 @@ def router_logits(router: torch.nn.Linear, x: torch.Tensor, chain_handover: Opti
         chain = (x.detach(), [], ChainCursor())
     base, links, cursor = chain
     if stream_grad is not None:
-        stream_grad.chain, stream_grad.router = cursor, continues
+        stream_grad.chain, stream_grad.continues = cursor, continues
     flat = [t for link in links for t in link]
     logits, alias = RouterLogits.apply(x, router.weight, None, base, cursor, stream_grad, *flat)
     return logits, None if chain_handover is None else chain, alias

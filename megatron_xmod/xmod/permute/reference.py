@@ -20,45 +20,6 @@ def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).index_select(0, flat_rows(indices, indices.shape[1])).view(*indices.shape, x.shape[-1])
 
 
-class _SplitUniqueRows(torch.autograd.Function):
-    """(``x2d`` itself, ``x2d.index_select(0, rows)``): the residual stream and the routed rows of one x, with
-    one backward for both: the residual's gradient with the rows' gradients added at ``rows``, one pass over
-    it, where two uses of x would make the autograd engine (or a compiler) scatter the rows into a fresh
-    full-length buffer of zeros and add it to the residual's gradient: three passes and two full-length
-    buffers a routed layer. Rows unique (top-k's): the rows are written (``index_put``, ``index_copy``), not
-    added as ``index_select``'s backward adds them, so a compiler need not make the writes atomic (Inductor's
-    CPU index_add is an atomic add per element)."""
-
-    @staticmethod
-    def forward(ctx, x2d, rows):
-        ctx.save_for_backward(rows)
-        ctx.num_rows = x2d.shape[0]
-        return x2d.view_as(x2d), x2d.index_select(0, rows)
-
-    @staticmethod
-    def backward(ctx, grad_residual, grad_rows):
-        (rows,) = ctx.saved_tensors
-        if grad_residual is None:
-            return grad_rows.new_zeros(ctx.num_rows, grad_rows.shape[1]).index_copy(0, rows, grad_rows), None
-        if grad_rows is None:
-            return grad_residual, None
-        return grad_residual.index_put((rows,), grad_residual.index_select(0, rows) + grad_rows), None
-
-
-def split_unique_tokens(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x as the residual stream, :func:`gather_tokens` of it) for indices unique per sequence, whose
-    gradients meet in one pass (:class:`_SplitUniqueRows`): a routed update that reads x twice (its routed
-    rows and the residual it scatters onto) should take both from here."""
-    residual, routed = _SplitUniqueRows.apply(x.reshape(-1, x.shape[-1]), flat_rows(indices, indices.shape[1]))
-    return residual.view_as(x), routed.view(*indices.shape, x.shape[-1])
-
-
-def gather_unique_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """:func:`gather_tokens` for indices unique per sequence (top-k's), with a non-accumulating backward (the
-    routed rows of :func:`split_unique_tokens` alone: their gradients written into zeros)."""
-    return split_unique_tokens(x, indices)[1]
-
-
 def scatter_gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Return ``x`` with ``x + gate * y`` written at ``indices``; every other token passes unchanged.
 
@@ -81,22 +42,23 @@ def scatter_gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, indices:
 
 class StreamGrad:
     """The residual stream's gradient, handed between the backward nodes of one in-place routed update
-    (:func:`add_rows_` -> :func:`rows_for_update` -> the router, when the router read the stream itself).
+    (:func:`add_rows_` -> :func:`rows_for_update` -> the router), each adding its part in place.
 
-    Made empty by the layer and wired by ``routing_state.router_logits``: ``chain`` is an object shared by
-    the updates of one chain (routing_state.ChainCursor) whose ``stream_grad`` attribute holds the gradient
-    buffer the chain made, the only one written in place (any other gradient, which autograd may have
-    handed to other nodes too: an add's backward gives both summands one tensor, is copied once first);
-    ``router`` True: the layer's input continues the chain (the stream is the block's, updated in place) and
-    the router's backward takes the gradient from here, adds its part in place and returns it as the
-    stream's (routing_state.RouterLogits); False: :func:`rows_for_update`'s backward returns it."""
+    Made empty by the layer and wired by ``routing_state.router_logits`` (under autograd): ``chain`` is an
+    object shared by the updates of one router-input chain (routing_state.ChainCursor) whose ``stream_grad``
+    attribute holds the gradient buffer the chain made, the only one written in place (any other gradient,
+    which autograd may have handed to other nodes too: an add's backward gives both summands one tensor, is
+    copied once first); the router's backward takes it from here, adds its outer product and returns it
+    as the layer input's (routing_state.RouterLogits). ``continues``: the layer's input continues the chain
+    (the previous routed layer's output), so the update writes into it; else into a copy of it. Not wired
+    (``chain`` None: no autograd, or no chain): :func:`rows_for_update`'s backward returns the gradient."""
 
-    __slots__ = ("grad", "router", "chain")
+    __slots__ = ("grad", "chain", "continues")
 
     def __init__(self):
         self.grad: Optional[torch.Tensor] = None
         self.chain = None
-        self.router = False
+        self.continues = False
 
 
 class _RowsForUpdate(torch.autograd.Function):
@@ -122,12 +84,10 @@ class _RowsForUpdate(torch.autograd.Function):
             grad_rows = None
         if grad_rows is not None:
             grad.view(-1, grad.shape[-1]).index_add_(0, rows, grad_rows)  # rows unique: no two adds meet
-        if handover.router:
-            chain.stream_grad = handover.grad = grad
-            return None, None, None, None
-        if chain is not None:
-            chain.stream_grad = None  # the chain's first layer: the buffer leaves the chain
-        return grad, None, None, None
+        if chain is None:
+            return grad, None, None, None
+        chain.stream_grad = handover.grad = grad  # the router's backward adds its part and hands it on
+        return None, None, None, None
 
 
 class _AddRows(torch.autograd.Function):
@@ -150,9 +110,9 @@ class _AddRows(torch.autograd.Function):
 def rows_for_update(stream: torch.Tensor, rows: torch.Tensor, stream_grad: StreamGrad,
                     after: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The flat rows ``rows`` [n] of ``stream`` [s, b, h] ([n, h], a copy), which an update then adds to in
-    place with :func:`add_rows_` and the same ``stream_grad``. ``after``: a differentiable tensor whose
-    producer's backward must run after this one's (the router logits, when the router takes the stream's
-    gradient: autograd orders backward nodes by their edges only)."""
+    place with :func:`add_rows_` and the same ``stream_grad``. ``after``: the router's logits when
+    ``stream_grad`` is wired to a chain (the router's backward, which takes the stream's gradient from this
+    one's, must run after it, and autograd orders backward nodes by their edges only)."""
     return _RowsForUpdate.apply(stream, rows, stream_grad, after)
 
 
