@@ -88,6 +88,35 @@ def test_compiled_layers_equal_eager_and_run_as_shared_graphs(seeded):
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+def test_top_k_evaluation_runs_compiled_and_in_place(seeded):
+    """Evaluation under the top-k rule, no autograd: the compiled region runs, the routed layers after a chain's
+    first write into its copy of the stream (as in training), and the logits equal the eager model's."""
+    from megatron_xmod.xmod.routing_state import eval_routing
+
+    eager, _ = tiny_model(LAYOUT)
+    compiled, _ = tiny_model(LAYOUT, xmod_compile_layers=True)
+    compiled.load_state_dict(eager.state_dict())
+    routed = sparse_layers(compiled)
+    counting = _Counting(routed[0].compiled_update)
+    in_place = []
+
+    def same_storage(layer, args, kwargs, output):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        in_place.append(output[0].untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr())
+
+    for layer in routed:
+        layer.compiled_update = counting
+        layer.register_forward_hook(same_storage, with_kwargs=True)
+    tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        model.eval()
+        with eval_routing(model, "topk"), torch.no_grad():
+            logits[name] = model(tokens, torch.arange(SEQ).expand_as(tokens), None)
+    torch.testing.assert_close(logits["compiled"], logits["eager"], rtol=1e-5, atol=1e-5)
+    assert counting.calls == len(routed) and in_place == [False, True, True, False, True]
+
+
 def test_the_threshold_rule_runs_routed_layers_eagerly(seeded):
     """Evaluation under the threshold rule routes a data-dependent number of tokens: no compiled call."""
     model, _ = tiny_model(LAYOUT, xmod_compile_layers=True)

@@ -401,14 +401,14 @@ class XModSparseLayer(TransformerLayer):
         seq_len, batch = hidden_states.shape[:2]
         seq_len *= self._sequence_shards() * self._cp_size()  # under SP and CP routing ranks the whole sequence
         phase = recompute_phase(self.training)  # "first" / "replay" under full recompute, else None
+        rule = "topk" if self.training else state.eval_rule
         # The compiled top-k update adds its rows to the block's residual stream in place (_routed_update_in_place)
-        stream_grad = StreamGrad() if (self.compiled_update is not None and self.training and attention_mask is None
+        stream_grad = StreamGrad() if (self.compiled_update is not None and rule == "topk" and attention_mask is None
                                        and samples == 1 and not self.config.sequence_parallel
                                        and self.cp_group is None) else None
         # [s, b] x w over the whole sequence (the routing step adds the bias), and x as the routed update reads it
         logits, chain, routed_input = self._router_logits(hidden_states, stream_grad)
         carried_bias, previous_selected = self._take_bias(state, (seq_len, batch), phase)
-        rule = "topk" if self.training else state.eval_rule
         tau = routing.effective_tau(state.iteration)  # during a training run the warm-up's value, else the full tau
         # Eq.(8) adjustment, top-k in position order, bias update: one fused kernel on GPU (megatron_xmod.xmod.kernels).
         # It writes into the routing state's buffers itself (a recompute replay writes none of them): the
@@ -466,6 +466,8 @@ class XModSparseLayer(TransformerLayer):
             before = (routed.detach().reshape(-1, routed.shape[-1]) if routed is not None else
                       hidden_states.detach().reshape(-1, hidden_states.shape[-1]).index_select(0, written))
             state.router_inputs.put(self.layer_number, chain, output, written, before)
+        elif stream_grad is not None and not _cuda_graphs(self.config):  # no autograd: the stream is all there is
+            state.router_inputs.note_output(self.layer_number, output)
         return output, context
 
     def _packed_sequences(self, packed_seq_params, attention_mask, rotary_pos_emb, hidden_states):
@@ -644,10 +646,6 @@ class XModSparseLayer(TransformerLayer):
         if self.config.sequence_parallel:
             return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid, gate,
                                                          document_mask, batch_mask), None
-        if (self.compiled_update is not None and valid is None and gate is not None and document_mask is None
-                and batch_mask is None):  # top-k at static shapes (evaluation): the compiled region
-            return self._routed_update_in_place(hidden_states, indices, flat_rows(indices, indices.shape[1]), gate,
-                                                rotary_pos_emb, StreamGrad())
         # A threshold batch (valid given) is not sorted past its real tokens: plain-torch permutation, and
         # no check of the sorted order the other backends need.
         backend, check = (None, None) if valid is None else ("torch", False)
@@ -669,8 +667,8 @@ class XModSparseLayer(TransformerLayer):
         """The compiled top-k update (``compiled_update``: :func:`plain_routed_rows`) added to the residual stream
         in place: (the stream with the rows ``rows`` [k*b] updated, the gathered rows [k*b, h]). The stream is
         ``hidden_states`` itself where it continues the router-input chain (``stream_grad.continues``, wired by
-        ``_router_logits``: the previous routed layer's output, which nothing saved), else a copy of it (the
-        chain's first layer, or no autograd). The router's backward completes the input's gradient, after the
+        ``_router_logits``: the previous routed layer's output, which nothing saved; without autograd, the
+        previous routed layer's output), else a copy of it (the chain's first layer). The router's backward completes the input's gradient, after the
         gather's, which ``logits`` orders. Full-length buffers: one a chain forward (the copy) and one a chain
         backward (permute.reference.StreamGrad), where the out-of-place update made two a layer."""
         stream = hidden_states if stream_grad.continues else hidden_states.clone()

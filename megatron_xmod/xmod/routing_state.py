@@ -678,10 +678,10 @@ class RouterInputChain:
 
     def take(self, layer_number: int, x: torch.Tensor):
         """(base, [ChainLink, ...], cursor) from which ``x`` is rebuilt, or None: ``x`` starts a chain."""
-        if self._layer_number != layer_number - 1 or self._output is None:
+        if not self.follows(layer_number, x) or self._base is None:
             return None
         output, base = self._output(), self._base()
-        if output is None or base is None or _fingerprint(x) != self._output_fingerprint:
+        if output is None or base is None:
             return None
         links = []
         for refs in self._links:
@@ -705,6 +705,20 @@ class RouterInputChain:
         self._output = weakref.ref(output)
         self._output_fingerprint = _fingerprint(output)
         self._written, self._before = written, before
+
+    def follows(self, layer_number: int, x: torch.Tensor) -> bool:
+        """Whether ``x`` is the output of routed layer ``layer_number - 1`` as it left that layer (same tensor
+        storage and version): the residual stream the routed layers of a block update in place."""
+        output = None if self._output is None else self._output()
+        return (self._layer_number == layer_number - 1 and output is not None
+                and _fingerprint(x) == self._output_fingerprint)
+
+    def note_output(self, layer_number: int, output: torch.Tensor) -> None:
+        """Without autograd (no chain to save): routed layer ``layer_number`` wrote ``output``, which the next
+        routed layer may then update in place (:meth:`follows`)."""
+        self.clear()
+        self._layer_number = layer_number
+        self._output, self._output_fingerprint = weakref.ref(output), _fingerprint(output)
 
     def clear(self) -> None:
         self.__init__()
@@ -799,6 +813,8 @@ def router_logits(router: torch.nn.Linear, x: torch.Tensor, chain_handover: Opti
     x is the previous routed layer's output); the router's backward then adds its part of x's gradient
     into the chain's buffer in place and returns it, and no alias is returned (None)."""
     if not (torch.is_grad_enabled() and router.weight.requires_grad):
+        if stream_grad is not None and chain_handover is not None:  # no chain to save; x may still be the stream
+            stream_grad.continues = chain_handover.follows(layer_number, x)
         return F.linear(x, router.weight), None, x
     chain = None if chain_handover is None else chain_handover.take(layer_number, x)
     continues = chain is not None
