@@ -122,8 +122,13 @@ def test_training_step_has_no_host_sync(seeded, mode):
 
 
 def test_the_counter_sees_the_permutation_checks(seeded, monkeypatch):
-    """The counter's positive control: the CPU-only index checks of the permutation ops read the indices."""
+    """The counter's positive control: the CPU-only index checks of the permutation ops read the indices (on the
+    kernel backends' path, the gather and the gated scatter, which a CPU run takes with the torch backend when
+    the layer is told the kernels were selected; it otherwise updates the stream in place without them)."""
+    import megatron_xmod.xmod.layers as layers
+
     monkeypatch.delenv("XMOD_PERMUTE_CHECK")
+    monkeypatch.setattr(layers, "selected_backend", lambda x: "triton")
     syncs = _train_step_syncs(_routed(tiny_model(LAYOUT, seq_len=SEQ)[0]))
     assert syncs.count > 0 and all(hit.site.startswith("megatron_xmod/xmod/permute/dispatch.py")
                                    for hit in syncs.hits), syncs.summary()

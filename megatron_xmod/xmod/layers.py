@@ -29,7 +29,7 @@ from megatron.core.utils import make_viewless_tensor
 
 from megatron_xmod.xmod.config import check_cuda_graph_compatibility, check_routing_compatibility
 from megatron_xmod.xmod.kernels import routing_step
-from megatron_xmod.xmod.permute import ResidualGrad, gather_tokens, scatter_gated
+from megatron_xmod.xmod.permute import ResidualGrad, gather_tokens, scatter_gated, selected_backend
 from megatron_xmod.xmod.permute import reference as reference_permute
 from megatron_xmod.xmod.permute.reference import StreamGrad
 from megatron_xmod.xmod.routing import (
@@ -402,10 +402,14 @@ class XModSparseLayer(TransformerLayer):
         seq_len *= self._sequence_shards() * self._cp_size()  # under SP and CP routing ranks the whole sequence
         phase = recompute_phase(self.training)  # "first" / "replay" under full recompute, else None
         rule = "topk" if self.training else state.eval_rule
-        # The compiled top-k update adds its rows to the block's residual stream in place (_routed_update_in_place)
-        stream_grad = StreamGrad() if (self.compiled_update is not None and rule == "topk" and attention_mask is None
-                                       and samples == 1 and not self.config.sequence_parallel
-                                       and self.cp_group is None) else None
+        # The top-k update in plain torch ops (compiled, or the torch permutation backend: CPU) adds its rows to
+        # the block's residual stream in place (_routed_update_in_place); the kernel backends' fused gated
+        # scatter writes a new stream. Not in full recompute's first pass: megatron's checkpoint keeps each
+        # chunk's input for the replay, which a later layer would otherwise write into.
+        stream_grad = StreamGrad() if (rule == "topk" and phase != "first" and attention_mask is None and samples == 1
+                                       and not self.config.sequence_parallel and self.cp_group is None
+                                       and (self.compiled_update is not None
+                                            or selected_backend(hidden_states) == "torch")) else None
         # [s, b] x w over the whole sequence (the routing step adds the bias), and x as the routed update reads it
         logits, chain, routed_input = self._router_logits(hidden_states, stream_grad)
         carried_bias, previous_selected = self._take_bias(state, (seq_len, batch), phase)
@@ -664,17 +668,17 @@ class XModSparseLayer(TransformerLayer):
                              residual=residual), routed
 
     def _routed_update_in_place(self, hidden_states, indices, rows, gate, rotary_pos_emb, stream_grad, logits=None):
-        """The compiled top-k update (``compiled_update``: :func:`plain_routed_rows`) added to the residual stream
-        in place: (the stream with the rows ``rows`` [k*b] updated, the gathered rows [k*b, h]). The stream is
+        """The top-k update of the routed rows (:func:`plain_routed_rows`, compiled with ``--xmod-compile-layers``)
+        added to the residual stream in place: (the stream with the rows ``rows`` [k*b] updated, the gathered rows [k*b, h]). The stream is
         ``hidden_states`` itself where it continues the router-input chain (``stream_grad.continues``, wired by
         ``_router_logits``: the previous routed layer's output, which nothing saved; without autograd, the
         previous routed layer's output), else a copy of it (the chain's first layer). The router's backward completes the input's gradient, after the
         gather's, which ``logits`` orders. Full-length buffers: one a chain forward (the copy) and one a chain
         backward (permute.reference.StreamGrad), where the out-of-place update made two a layer."""
-        stream = hidden_states if stream_grad.continues else hidden_states.clone()
+        stream = hidden_states if stream_grad.continues else hidden_states.clone(memory_format=torch.contiguous_format)
         routed = reference_permute.rows_for_update(stream, rows, stream_grad,
                                                    logits if stream_grad.chain is not None else None)
-        update = self.compiled_update(self, routed, indices, gate, rotary_pos_emb)
+        update = (self.compiled_update or plain_routed_rows)(self, routed, indices, gate, rotary_pos_emb)
         return reference_permute.add_rows_(stream, rows, update, stream_grad), routed
 
     def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None,

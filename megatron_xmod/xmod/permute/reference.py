@@ -29,7 +29,6 @@ def scatter_gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, indices:
     return x.scatter_add(0, index, gate.unsqueeze(-1).to(y.dtype) * y)
 
 
-
 # --- the routed update in place on the residual stream ------------------------------------------------
 # A routed layer changes L/K rows of the residual stream; an out-of-place update copies all L rows forward
 # and again backward (the residual's gradient with the rows' added). Along a router-input chain
