@@ -75,6 +75,37 @@ def _saved_storages(model, run):
     return saved, out
 
 
+@pytest.mark.parametrize("family", ["xmod", "mod"])
+def test_eager_in_place_update_equals_the_gather_and_scatter_path(seeded, monkeypatch, family):
+    """On CPU (torch permutation backend) the eager routed layers add their update into the block's residual stream
+    in place after each chain's first layer; loss and gradients equal the kernel backends' path (gather, gated
+    scatter into a new stream), which the layer takes when told the kernels were selected."""
+    import megatron_xmod.xmod.layers as layers
+
+    model, _ = tiny_model(LAYOUT, seq_len=SEQ, xmod_routing_family=family)
+    _sharpen(model)
+    model.train()
+    in_place = []
+
+    def same_storage(layer, args, kwargs, output):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        in_place.append(output[0].untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr())
+
+    for layer in sparse_layers(model):
+        layer.register_forward_hook(same_storage, with_kwargs=True)
+    loss, grads = _step(model)
+    assert in_place == [False, True, True] * 2  # D + (S4*3 + D)*2: two chains of three
+    with monkeypatch.context() as patch:
+        patch.setattr(layers, "selected_backend", lambda x: "triton")
+        reference_loss, reference_grads = _step(model)
+    assert in_place[6:] == [False] * 6
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == reference_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5,
+                                   atol=1e-6 * float(reference_grads[name].abs().max()), msg=name)
+
+
 def test_one_full_length_router_input_per_block(seeded):
     """A block of three routed layers saves exactly one [L, b, h] tensor beyond its routed rows,
     where nn.Linear routers saved one per layer."""
