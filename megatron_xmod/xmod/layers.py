@@ -669,12 +669,13 @@ class XModSparseLayer(TransformerLayer):
 
     def _routed_update_in_place(self, hidden_states, indices, rows, gate, rotary_pos_emb, stream_grad, logits=None):
         """The top-k update of the routed rows (:func:`plain_routed_rows`, compiled with ``--xmod-compile-layers``)
-        added to the residual stream in place: (the stream with the rows ``rows`` [k*b] updated, the gathered rows [k*b, h]). The stream is
-        ``hidden_states`` itself where it continues the router-input chain (``stream_grad.continues``, wired by
-        ``_router_logits``: the previous routed layer's output, which nothing saved; without autograd, the
-        previous routed layer's output), else a copy of it (the chain's first layer). The router's backward completes the input's gradient, after the
-        gather's, which ``logits`` orders. Full-length buffers: one a chain forward (the copy) and one a chain
-        backward (permute.reference.StreamGrad), where the out-of-place update made two a layer."""
+        added to the residual stream in place: (the stream with the flat rows ``rows`` [k*b] updated, the gathered
+        rows [k*b, h]). The stream is ``hidden_states`` itself where it continues the router-input chain
+        (``stream_grad.continues``, wired by ``_router_logits``: the previous routed layer's output, which nothing
+        saved; without autograd, the previous routed layer's output), else a copy of it (the chain's first
+        layer). The router's backward completes the input's gradient after the gather's, which ``logits`` orders.
+        Full-length buffers: one a chain forward (the copy) and one a chain backward (permute.reference.StreamGrad),
+        where the out-of-place update made one forward and two to four backward a layer."""
         stream = hidden_states if stream_grad.continues else hidden_states.clone(memory_format=torch.contiguous_format)
         routed = reference_permute.rows_for_update(stream, rows, stream_grad,
                                                    logits if stream_grad.chain is not None else None)
