@@ -29,3 +29,17 @@ def english_bytes() -> torch.Tensor:
     text = "\n\n".join(m.__doc__ for m in (argparse, collections, csv, difflib, email, json, logging,
                                             pathlib, subprocess, threading) if m.__doc__)
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def record_in_place(layers) -> list:
+    """Hooks on megatron ``layers``: the list gets, per call, whether the layer's output shares its input's storage
+    (its update was written into the input in place)."""
+    in_place = []
+
+    def same_storage(layer, args, kwargs, output):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        in_place.append(output[0].untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr())
+
+    for layer in layers:
+        layer.register_forward_hook(same_storage, with_kwargs=True)
+    return in_place

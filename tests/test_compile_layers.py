@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import TINY, tiny_model
+from helpers import TINY, record_in_place, tiny_model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -62,14 +62,7 @@ def test_compiled_layers_equal_eager_and_run_as_shared_graphs(seeded):
     for layer in dense:
         assert isinstance(layer.forward, CompiledDenseForward)
         layer.forward.compiled = dense_calls
-    in_place = []  # per routed layer call: did it write its update into its input's storage?
-
-    def same_storage(layer, args, kwargs, output):
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        in_place.append(output[0].untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr())
-
-    for layer in routed:
-        layer.register_forward_hook(same_storage, with_kwargs=True)
+    in_place = record_in_place(routed)  # per routed layer call: did it write its update into its input's storage?
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     for _ in range(2):  # the second step runs the compiled graphs, and the routing state carries over
         ref_logits, ref_grads = _step(eager, tokens)
@@ -98,15 +91,9 @@ def test_top_k_evaluation_runs_compiled_and_in_place(seeded):
     compiled.load_state_dict(eager.state_dict())
     routed = sparse_layers(compiled)
     counting = _Counting(routed[0].compiled_update)
-    in_place = []
-
-    def same_storage(layer, args, kwargs, output):
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        in_place.append(output[0].untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr())
-
+    in_place = record_in_place(routed)
     for layer in routed:
         layer.compiled_update = counting
-        layer.register_forward_hook(same_storage, with_kwargs=True)
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
     logits = {}
     for name, model in (("eager", eager), ("compiled", compiled)):

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_model
+from helpers import record_in_place, tiny_model
 
 from bench.memory import saved_bytes_per_layer
 from megatron_xmod.model import sparse_layers
@@ -85,14 +85,7 @@ def test_eager_in_place_update_equals_the_gather_and_scatter_path(seeded, monkey
     model, _ = tiny_model(LAYOUT, seq_len=SEQ, xmod_routing_family=family)
     _sharpen(model)
     model.train()
-    in_place = []
-
-    def same_storage(layer, args, kwargs, output):
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        in_place.append(output[0].untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr())
-
-    for layer in sparse_layers(model):
-        layer.register_forward_hook(same_storage, with_kwargs=True)
+    in_place = record_in_place(sparse_layers(model))
     loss, grads = _step(model)
     assert in_place == [False, True, True] * 2  # D + (S4*3 + D)*2: two chains of three
     with monkeypatch.context() as patch:
