@@ -61,6 +61,8 @@ LINK_BYTES_PER_S = {"A100": 25e9, "H100": 50e9, "H200": 50e9}
 # Per optimizer step, the paper's protocol (80 sequences a step on 8 GPUs: 10 micro-batches a GPU),
 # and a data-parallel group across nodes (TP 8 fills a node: DP = the number of nodes).
 DP_STEP = dict(dp=8, micro_batches=10)
+# megatron's DDP bucket when none is given: max(40M, 1M x DP) parameters (DistributedDataParallel.__init__).
+DDP_BUCKET_PARAMS = 40e6
 
 
 # ------------------------------------------------------------------------------------ 1. layers
@@ -192,8 +194,27 @@ def dp_sync_model(total_params, tp, dp, link_bytes_per_s, grad_bytes=4, param_by
     total_params / TP. Every parameter counts, not only the activated ones: X-MoD's 5-10x Dense's
     parameters (``xmod count``, column N) move 5-10x the bytes whatever the FLOPs per token."""
     per_gpu = total_params / tp
-    moved = per_gpu * (grad_bytes + param_bytes) * (dp - 1) / dp
-    return dict(dp=dp, dp_bytes=moved, dp_sync_s=moved / link_bytes_per_s)
+    share = (dp - 1) / dp
+    reduce_scatter_s = per_gpu * grad_bytes * share / link_bytes_per_s
+    all_gather_s = per_gpu * param_bytes * share / link_bytes_per_s
+    return dict(dp=dp, dp_bytes=per_gpu * (grad_bytes + param_bytes) * share, dp_sync_s=reduce_scatter_s + all_gather_s,
+                dp_reduce_scatter_s=reduce_scatter_s, dp_all_gather_s=all_gather_s, dp_params_per_gpu=per_gpu)
+
+
+def exposed_sync_s(synced: dict, micro_batch_device_s: float, bucket_params: float = DDP_BUCKET_PARAMS) -> float:
+    """What of :func:`dp_sync_model`'s sync a step still waits for with --overlap-grad-reduce and
+    --overlap-param-gather (the launchers' setting): each gradient bucket's reduce-scatter runs while the last
+    micro-batch's backward (2/3 of its device time) computes the buckets before it, each parameter bucket's
+    all-gather while the next forward (1/3) computes the layers before it; what does not fit behind them is
+    exposed, and so is one bucket of each (the last gradient bucket, the first parameter bucket), which
+    nothing precedes or follows. A model: communication and compute share nothing (no SM or memory
+    contention), buckets even."""
+    bucket = min(1.0, bucket_params / synced["dp_params_per_gpu"]) if synced["dp_params_per_gpu"] else 0.0
+    exposed = 0.0
+    for collective_s, hidden_behind_s in ((synced["dp_reduce_scatter_s"], micro_batch_device_s * 2 / 3),
+                                          (synced["dp_all_gather_s"], micro_batch_device_s / 3)):
+        exposed += max(collective_s - hidden_behind_s, collective_s * bucket)
+    return exposed
 
 
 def headline_table(layer_rows, us_per_launch, mfu=0.45, gpus=tuple(PEAK_BF16_FLOPS), models=MODELS,
@@ -202,7 +223,8 @@ def headline_table(layer_rows, us_per_launch, mfu=0.45, gpus=tuple(PEAK_BF16_FLO
     """The step model of every model x GPU; with ``cpu_us_per_launch`` also the eager host time on
     the CPU-time basis (``eager_host_cpu_s``, ``eager_cpu_factor``); per optimizer step of
     ``dp_step['micro_batches']`` micro-batches, the data-parallel sync over ``dp_step['dp']`` ranks
-    (:func:`dp_sync_model`) and its share of the step if nothing overlaps it."""
+    (:func:`dp_sync_model`) and its share of the step if nothing overlaps it, and what megatron's overlap
+    leaves exposed (:func:`exposed_sync_s`)."""
     b = get_backbone(backbone)
     launches = {r["layer"]: r["forward_launches"] + r["backward_launches"] for r in layer_rows}
     rows = []
@@ -218,12 +240,15 @@ def headline_table(layer_rows, us_per_launch, mfu=0.45, gpus=tuple(PEAK_BF16_FLO
             if cpu_us_per_launch is not None:
                 predicted["eager_host_cpu_s"] = predicted["launches"] * cpu_us_per_launch * 1e-6
                 predicted["eager_cpu_factor"] = predicted["eager_host_cpu_s"] / predicted["device_s"]
-            # Per optimizer step: the micro-batches' device time against the data-parallel sync (not overlapped).
+            # Per optimizer step: the micro-batches' device time against the data-parallel sync, not overlapped
+            # and overlapped as the launchers run it.
             synced = dp_sync_model(counted.total_params, tp, dp_step["dp"], LINK_BYTES_PER_S[gpu])
             step_device_s = dp_step["micro_batches"] * predicted["device_s"]
+            exposed = exposed_sync_s(synced, predicted["device_s"])
             predicted.update(synced, total_params=counted.total_params, micro_batches=dp_step["micro_batches"],
                              step_device_s=step_device_s,
-                             dp_sync_fraction=synced["dp_sync_s"] / (step_device_s + synced["dp_sync_s"]))
+                             dp_sync_fraction=synced["dp_sync_s"] / (step_device_s + synced["dp_sync_s"]),
+                             dp_exposed_s=exposed, dp_exposed_fraction=exposed / (step_device_s + exposed))
             rows.append(dict(model=m, gpu=gpu, num_layers=description.layout.num_layers,
                              flops_per_token=counted.flops_per_token, mfu=mfu, **predicted))
     return rows
@@ -382,12 +407,16 @@ def render_markdown(meta, layers, steps, model_rows, graphs, profiled) -> str:
                 "parameters once a step: (DP - 1) / DP x N / TP x 6 bytes per GPU, over one InfiniBand port per "
                 "GPU (A100 200 Gb/s, H100/H200 400 Gb/s). N counts every parameter, so X-MoD's sync grows with "
                 "its physical depth, not its FLOPs. Megatron overlaps the sync with the last backward and the "
-                "first forward (--overlap-grad-reduce, --overlap-param-gather); the share is the cost if it did not.", "",
-                "| model | GPU | N | GB per GPU | sync ms | micro-batches' device ms | sync share of the step |",
-                "|---|---|---:|---:|---:|---:|---:|"]
+                "next forward (--overlap-grad-reduce, --overlap-param-gather, which the launchers pass): 'exposed' is "
+                "what a step still waits for then (a model: the part that does not fit behind the last micro-batch's "
+                "backward, 2/3 of its device time, and the next forward, 1/3, or at least one DDP bucket of each).", "",
+                "| model | GPU | N | GB per GPU | sync ms | micro-batches' device ms | share, not overlapped | "
+                "exposed ms, overlapped | share, overlapped |",
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in model_rows:
             out.append(f"| {r['model']} | {r['gpu']} | {r['total_params'] / 1e9:.2f}B | {r['dp_bytes'] / 1e9:.2f} | "
-                       f"{r['dp_sync_s'] * 1e3:.0f} | {r['step_device_s'] * 1e3:.0f} | {r['dp_sync_fraction']:.0%} |")
+                       f"{r['dp_sync_s'] * 1e3:.0f} | {r['step_device_s'] * 1e3:.0f} | {r['dp_sync_fraction']:.1%} | "
+                       f"{r['dp_exposed_s'] * 1e3:.0f} | {r['dp_exposed_fraction']:.1%} |")
     if graphs:
         out += ["", "## Eager vs CUDA graph (fwd+bwd of the GPT model at the host width)", "",
                 "| model | layers | eager host ms | eager wall ms | graph host ms | graph wall ms | speed-up | error |",

@@ -153,14 +153,19 @@ else
     DATA_ARGS=(--data-path $DATA --split "$SPLIT" "${TOKENIZER_ARGS[@]}")
   fi
   OPT_ARGS=(--xmod-muon-table5 --xmod-paper-schedule --clip-grad 1.0)
-  DEVICE_ARGS=(--use-distributed-optimizer --bf16 --recompute-granularity selective)
+  # The distributed optimizer reduce-scatters every gradient and all-gathers every parameter once a step:
+  # X-MoD's 5-10x Dense's parameters make that 5-10x the bytes (an A3K16 step on H100: ~11% if exposed,
+  # bench/README.md "Host cost"). Megatron overlaps them with the last micro-batch's backward and the next
+  # step's first forward; the run is otherwise identical (tests/test_data_parallel.py).
+  OVERLAP_ARGS=(--overlap-grad-reduce --overlap-param-gather)
+  DEVICE_ARGS=(--use-distributed-optimizer "${OVERLAP_ARGS[@]}" --bf16 --recompute-granularity selective)
   # Every model: sequence parallelism at TP > 1 (it divides the activations by TP; megatron's MoE layer
   # needs it there); at TP 1 the 556m / 936m models exceed 80 GB at L = 32768 with selective recompute
   # (xmod count --memory): full recompute keeps one input per layer instead
   if [ "$TP" -gt 1 ]; then DEVICE_ARGS+=(--sequence-parallel)
   elif [ "$BACKBONE" = 556m ] || [ "$BACKBONE" = 936m ]; then
-    DEVICE_ARGS=(--use-distributed-optimizer --bf16 --recompute-granularity full --recompute-method uniform
-                 --recompute-num-layers 1)
+    DEVICE_ARGS=(--use-distributed-optimizer "${OVERLAP_ARGS[@]}" --bf16 --recompute-granularity full
+                 --recompute-method uniform --recompute-num-layers 1)
   fi
   DESC="$MODEL on $BACKBONE"
 fi

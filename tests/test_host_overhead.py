@@ -61,6 +61,16 @@ def test_data_parallel_sync_per_step_matches_hand_calculation():
     assert a3k16["step_device_s"] == pytest.approx(10 * a3k16["device_s"])
     share = a3k16["dp_sync_s"] / (a3k16["step_device_s"] + a3k16["dp_sync_s"])
     assert a3k16["dp_sync_fraction"] == pytest.approx(share) and a3k16["dp_sync_fraction"] > 5 * dense["dp_sync_fraction"]
+    # overlapped (the launchers' --overlap-grad-reduce --overlap-param-gather): the part that does not fit behind
+    # the last micro-batch's backward (2/3 of its device time) and the next forward (1/3) stays exposed
+    rs, ag, mb = a3k16["dp_reduce_scatter_s"], a3k16["dp_all_gather_s"], a3k16["device_s"]
+    assert rs == pytest.approx(2 * ag) and rs + ag == pytest.approx(a3k16["dp_sync_s"])
+    assert rs > 2 / 3 * mb and ag > mb / 3  # A3K16 on an H100: more to sync than one micro-batch hides
+    assert a3k16["dp_exposed_s"] == pytest.approx(rs - 2 / 3 * mb + ag - mb / 3)
+    assert a3k16["dp_exposed_fraction"] < a3k16["dp_sync_fraction"] / 3
+    # Dense hides all of it but one 40M-parameter bucket each way
+    bucket = 40e6 / dense["dp_params_per_gpu"]
+    assert dense["dp_exposed_s"] == pytest.approx(bucket * dense["dp_sync_s"])
 
 
 @pytest.mark.slow

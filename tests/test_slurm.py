@@ -117,6 +117,8 @@ def test_headline_dry_run_is_data_parallel_8_tp_8_80_sequences(dry_runs):
     s = _summary(proc)
     assert (s["world"], s["dp"], s["tp"], s["pp"], s["gbs"]) == (64, 8, 8, 1, 80)
     assert "--attention-dropout 0 --hidden-dropout 0" in proc.stdout
+    # the distributed optimizer's DP sync overlapped with compute (tests/test_data_parallel.py trains with it)
+    assert "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --bf16" in proc.stdout
     assert "[xmod] command: srun" in proc.stdout and not (ROOT / "runs" / "xmod-1p65b").exists()
 
 
@@ -145,6 +147,7 @@ def test_table6_configuration_passes_dry_run_through_the_generic_launcher(dry_ru
     tp = 8 if backbone == "1.65b" else 1  # TP 8 where the paper used it, DDP elsewhere
     assert (s["tp"], s["world"], s["dp"], s["gbs"]) == (tp, 64 if tp == 8 else 8, 8, 80)
     assert s["layers"] == parse_model(model, get_backbone(backbone)).layout.num_layers
+    assert "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather" in proc.stdout  # full recompute too
     assert s["iters"] > 1
 
 

@@ -256,6 +256,9 @@ def startup_summary(args, argument_dump: str = "") -> str:
     lines.append(f"tokenizer  {tokenizer} (vocabulary {args.padded_vocab_size} after padding)")
     lines.append(f"parallel   world {args.world_size} = data {args.data_parallel_size} x tensor "
                  f"{args.tensor_model_parallel_size} x pipeline {args.pipeline_model_parallel_size}")
+    sync = data_parallel_sync(args)
+    if sync:
+        lines.append("dp sync    " + sync)
     outputs = [f"checkpoints {args.save}" if args.save else "no checkpoints (--save)",
                f"tensorboard {args.tensorboard_dir}" if args.tensorboard_dir else "no tensorboard (--tensorboard-dir)"]
     if args.load:
@@ -266,6 +269,25 @@ def startup_summary(args, argument_dump: str = "") -> str:
     lines.append("metrics    defined in docs/metrics.md")
     lines.append("=" * 79)
     return "\n".join(lines)
+
+
+def data_parallel_sync(args) -> str:
+    """How the data-parallel ranks sync once a step, and whether it hides behind compute: every parameter
+    moves, so a routed model (5-10x Dense's parameters at the same activated depth) pays it 5-10x
+    (bench/README.md, "Host cost"); "" without data parallelism."""
+    if args.data_parallel_size == 1:
+        return ""
+    # megatron turns --use-distributed-optimizer into the layer-wise one for Muon (use_distributed_optimizer False)
+    sharded = args.use_distributed_optimizer or getattr(args, "use_layer_wise_distributed_optimizer", False)
+    grads = "gradients " + ("reduce-scattered" if sharded else "all-reduced") + (
+        " during the last micro-batch's backward (--overlap-grad-reduce)" if args.overlap_grad_reduce
+        else " after the last micro-batch (exposed: --overlap-grad-reduce hides it)")
+    if not sharded:
+        return grads
+    params = "parameters all-gathered " + (
+        "during the next forward (--overlap-param-gather)" if args.overlap_param_gather
+        else "after the optimizer step (exposed: --overlap-param-gather hides it)")
+    return f"{grads}; {params}"
 
 
 # ----------------------------------------------------------------------------- the log
