@@ -7,7 +7,7 @@ two processes are data-parallel replicas with identical data), then at TP2 with 
 finalize_model_grads. The local spec's norms run under sequence parallelism through numbered patch 21
 (megatron_xmod.training.patches, part of cpu_patches). Rank 0 prints one JSON line per run: the
 losses, the routed sets of every sparse layer at every step (training top-k, then evaluation
-threshold), and the eval loss.
+threshold), the eval loss, and per sparse-layer call whether it updated its input in place.
 
 Usage: syncs <steps> (tests/test_host_syncs.py): TP2 with sequence parallelism only, X-MoD and MoD; every
 rank counts the host syncs (tests/sync_counter.py) of each training step's forward and backward, and of an
@@ -64,11 +64,13 @@ def _shard(full, local, tp):
 
 
 def _train(ddp, model, steps):
+    from helpers import record_in_place
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_xmod.model import sparse_layers
 
     routed = []
+    in_place = record_in_place(sparse_layers(model))  # per call: did the layer write into its input's storage
     state = sparse_layers(model)[0].routing_state
     state.observers.append(lambda layer, logits, decision: routed.append(
         hashlib.sha1(decision.selected.cpu().numpy().tobytes()).hexdigest()[:12]))
@@ -89,7 +91,7 @@ def _train(ddp, model, steps):
     with torch.no_grad():  # evaluation: the threshold rule
         tokens = torch.randint(0, 256, (BATCH, SEQ), generator=g)
         eval_loss = model(tokens, torch.arange(SEQ).expand_as(tokens), None, labels=tokens).float().mean().item()
-    return dict(losses=losses, routed=routed, eval_loss=eval_loss)
+    return dict(losses=losses, routed=routed, eval_loss=eval_loss, in_place=in_place)
 
 
 def main(family: str, steps: int) -> None:

@@ -116,7 +116,7 @@ def test_sequence_parallel_code_path_applies_the_document_mask(seeded, rule):
             indices, valid = torch.topk(scores, 8, dim=0).indices.sort(0).values, None
         else:
             indices, valid, _ = capacity_selection(torch.sigmoid(scores) >= 0.5)
-        return layer._routed_update_sequence_parallel(x, indices, scores, rope_freqs(32), valid, document_mask=mask)
+        return layer._routed_update_sequence_parallel(x, indices, scores, rope_freqs(32), valid, document_mask=mask)[0]
 
     x = saturated_inputs(layer, 32, 2, generator)
     out_error, grad_errors = compare(layer, x, mask, ids, "xmod", rule, run=run)

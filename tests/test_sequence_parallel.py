@@ -2,7 +2,8 @@
 top-k ranks the whole sequence although each rank holds half of it. torchrun --nproc_per_node=2 on
 gloo (worker: tests/dist_worker_sp.py): the same weights and batches, 6 SGD steps through megatron's
 DistributedDataParallel and finalize_model_grads; the losses agree to fp32 tolerance, every sparse
-layer routes the same tokens at every step, and so does the threshold rule of evaluation.
+layer routes the same tokens at every step, and so does the threshold rule of evaluation; both update the
+residual stream in place.
 megatron's local-spec norm runs under sequence parallelism through numbered patch 21 (cpu_patches)."""
 import json
 import os
@@ -77,3 +78,7 @@ def test_tp2_sequence_parallel_equals_tp1(family):
     assert len(tp1["routed"]) == 3 * STEPS + 3
     assert tp2["routed"] == tp1["routed"]
     assert tp2["eval_loss"] == pytest.approx(tp1["eval_loss"], rel=1e-5)
+    # Both update the residual stream in place along the block's chain of 3 sparse layers (TP1: the torch
+    # permutation backend; TP2: sequence parallelism's update, with the other rank's tokens at row 0): the chain's
+    # first layer writes into a copy, the next two into their input; the threshold rule of evaluation does not.
+    assert tp1["in_place"] == tp2["in_place"] == [False, True, True] * STEPS + [False] * 3

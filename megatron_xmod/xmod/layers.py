@@ -402,13 +402,14 @@ class XModSparseLayer(TransformerLayer):
         seq_len *= self._sequence_shards() * self._cp_size()  # under SP and CP routing ranks the whole sequence
         phase = recompute_phase(self.training)  # "first" / "replay" under full recompute, else None
         rule = "topk" if self.training else state.eval_rule
-        # The top-k update in plain torch ops (compiled, or the torch permutation backend: CPU) adds its rows to
-        # the block's residual stream in place (_routed_update_in_place); the kernel backends' fused gated
-        # scatter writes a new stream. Not in full recompute's first pass: megatron's checkpoint keeps each
-        # chunk's input for the replay, which a later layer would otherwise write into.
+        # The top-k update in plain torch ops (compiled, the torch permutation backend: CPU, or sequence
+        # parallelism's, on every device) adds its rows to the block's residual stream in place
+        # (_routed_update_in_place, _routed_update_sequence_parallel); the kernel backends' fused gated scatter
+        # writes a new stream. Not in full recompute's first pass: megatron's checkpoint keeps each chunk's
+        # input for the replay, which a later layer would otherwise write into.
         stream_grad = StreamGrad() if (rule == "topk" and phase != "first" and attention_mask is None and samples == 1
-                                       and not self.config.sequence_parallel and self.cp_group is None
-                                       and (self.compiled_update is not None
+                                       and self.cp_group is None
+                                       and (self.config.sequence_parallel or self.compiled_update is not None
                                             or selected_backend(hidden_states) == "torch")) else None
         # [s, b] x w over the whole sequence (the routing step adds the bias), and x as the routed update reads it
         logits, chain, routed_input = self._router_logits(hidden_states, stream_grad)
@@ -428,7 +429,11 @@ class XModSparseLayer(TransformerLayer):
             state.observe(self.layer_number, logits + self.router.bias.float(), decision)
 
         indices = decision.topk_indices
-        if stream_grad is not None:
+        written = None  # the flat rows an in-place update read and wrote, in the order of its gathered rows
+        if stream_grad is not None and self.config.sequence_parallel:
+            output, routed, written = self._routed_update_sequence_parallel(
+                hidden_states, indices, decision.scores, rotary_pos_emb, gate=gate, stream_grad=stream_grad, logits=logits)
+        elif stream_grad is not None:
             output, routed = self._routed_update_in_place(hidden_states, indices, step.flat_rows, gate, rotary_pos_emb,
                                                           stream_grad, logits)
         elif indices is not None:
@@ -463,8 +468,9 @@ class XModSparseLayer(TransformerLayer):
         # which refuses a view. Same storage, same values; the router-input chain is handed this object.
         output = make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
         if chain is not None:  # the next routed layer of the block rebuilds its router input from these rows
-            flat = step.flat_rows if decision.topk_indices is not None else None  # the routing step's, under top-k
-            written = self._written_rows(indices, hidden_states.shape[0], flat)
+            if written is None:
+                flat = step.flat_rows if decision.topk_indices is not None else None  # the routing step's, under top-k
+                written = self._written_rows(indices, hidden_states.shape[0], flat)
             # The written rows' values before this layer (backward walks the chain back with them): the
             # gathered routed input itself where it lists exactly those rows, else read from the input.
             before = (routed.detach().reshape(-1, routed.shape[-1]) if routed is not None else
@@ -649,7 +655,7 @@ class XModSparseLayer(TransformerLayer):
                                                         document_mask), None
         if self.config.sequence_parallel:
             return self._routed_update_sequence_parallel(hidden_states, indices, scores, rotary_pos_emb, valid, gate,
-                                                         document_mask, batch_mask), None
+                                                         document_mask, batch_mask)[0], None
         # A threshold batch (valid given) is not sorted past its real tokens: plain-torch permutation, and
         # no check of the sorted order the other backends need.
         backend, check = (None, None) if valid is None else ("torch", False)
@@ -683,7 +689,7 @@ class XModSparseLayer(TransformerLayer):
         return reference_permute.add_rows_(stream, rows, update, stream_grad), routed
 
     def _routed_update_sequence_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None, gate=None,
-                                         document_mask=None, batch_mask=None):
+                                         document_mask=None, batch_mask=None, stream_grad=None, logits=None):
         """Sequence parallel: ``hidden_states`` is this rank's slice [s/T, b, h] of the sequence and
         ``indices`` [k, b] are positions in the whole sequence (the same on every rank). The routed
         subsequence, padded to a multiple of T at its end (causal attention keeps real tokens from
@@ -695,7 +701,13 @@ class XModSparseLayer(TransformerLayer):
         ``gate``: the routing step's gate of the routed tokens ([k, b], varsigma included), when it has one.
         ``document_mask``: megatron's mask of the whole sequence ([b or 1, 1, s, s], the same on every
         rank), gathered at the padded routed positions; the end padding is masked out as a key.
-        ``batch_mask``: the padded batch's own mask instead (context parallelism's, which pads to T itself)."""
+        ``batch_mask``: the padded batch's own mask instead (context parallelism's, which pads to T itself).
+        ``stream_grad``: the top-k update adds its rows to the residual stream in place, as
+        :meth:`_routed_update_in_place` does (``logits`` orders the router's backward after the gather's); this
+        rank's rows then hold the others' tokens and the padding at row 0 of their sequence, each listed once a
+        routed slot, which the in-place add and its backward sum like any row (adding -0.0 and 0).
+        Returns (the stream with this rank's routed rows updated, the rows read before the update [(k + pad) * b, h]
+        or None, their flat rows or None: both only when ``stream_grad`` is given)."""
         group = self.tp_group
         shards, rank = group.size(), group.rank()
         local_len, batch, hidden = hidden_states.shape
@@ -708,8 +720,14 @@ class XModSparseLayer(TransformerLayer):
         mine = (local >= 0) & (local < local_len)
         mine[k:] = False
         local = torch.where(mine, local, 0)
-        rows = hidden_states.reshape(-1, hidden).index_select(0, flat_rows(local, batch)).view(-1, batch, hidden)
-        rows = torch.where(mine.unsqueeze(-1), rows, 0)
+        written = flat_rows(local, batch)
+        if stream_grad is None:
+            read = hidden_states.reshape(-1, hidden).index_select(0, written)
+        else:
+            stream = hidden_states if stream_grad.continues else hidden_states.clone(memory_format=torch.contiguous_format)
+            read = reference_permute.rows_for_update(stream, written, stream_grad,
+                                                     logits if stream_grad.chain is not None else None)
+        rows = torch.where(mine.unsqueeze(-1), read.view(-1, batch, hidden), 0)
         routed = reduce_scatter_to_sequence_parallel_region(rows, group=group)  # [(k + pad) / T, b, h]
         # the end padding comes last: causal suffices
         attention_mask = _routed_document_mask(document_mask, indices) if batch_mask is None else batch_mask
@@ -725,9 +743,10 @@ class XModSparseLayer(TransformerLayer):
         update = gate.unsqueeze(-1).to(delta.dtype) * delta  # as scatter_gated applies it
         update = gather_from_sequence_parallel_region(update, tensor_parallel_output_grad=True, group=group)
         # Others' tokens and the end padding add -0.0: x + (-0.0) is x bit for bit (also for x = +-0.0).
-        update = torch.where(mine.unsqueeze(-1), update, -0.0)
-        output = hidden_states.reshape(-1, hidden).index_add(0, flat_rows(local, batch), update.reshape(-1, hidden))
-        return output.view_as(hidden_states)
+        update = torch.where(mine.unsqueeze(-1), update, -0.0).reshape(-1, hidden)
+        if stream_grad is not None:
+            return reference_permute.add_rows_(stream, written, update, stream_grad), read, written
+        return hidden_states.reshape(-1, hidden).index_add(0, written, update).view_as(hidden_states), None, None
 
     def _routed_update_context_parallel(self, hidden_states, indices, scores, rotary_pos_emb, valid=None,
                                         document_mask=None):

@@ -76,13 +76,11 @@ class _RowsForUpdate(torch.autograd.Function):
         chain = handover.chain
         if grad is None:  # the update's output got no gradient
             grad = grad_rows.new_zeros(ctx.shape)
-        elif chain is None or grad is not chain.stream_grad:  # not the chain's own buffer: the rows added into a copy, one pass
-            flat = grad.reshape(-1, grad.shape[-1])
-            grad = (flat.clone() if grad_rows is None else
-                    flat.index_put((rows,), flat.index_select(0, rows) + grad_rows)).view(ctx.shape)
-            grad_rows = None
+        elif chain is None or grad is not chain.stream_grad:  # not the chain's own buffer: the rows added into a copy
+            grad = grad.clone(memory_format=torch.contiguous_format)
         if grad_rows is not None:
-            grad.view(-1, grad.shape[-1]).index_add_(0, rows, grad_rows)  # rows unique: no two adds meet
+            # a row listed twice (sequence parallelism's stand-ins at row 0) gets both parts: index_add_ sums them
+            grad.view(-1, grad.shape[-1]).index_add_(0, rows, grad_rows)
         if chain is None:
             return grad, None, None, None
         chain.stream_grad = handover.grad = grad  # the router's backward adds its part and hands it on
@@ -116,8 +114,8 @@ def rows_for_update(stream: torch.Tensor, rows: torch.Tensor, stream_grad: Strea
 
 
 def add_rows_(stream: torch.Tensor, rows: torch.Tensor, update: torch.Tensor, stream_grad: StreamGrad) -> torch.Tensor:
-    """``stream`` [s, b, h] with ``update`` [n, h] added at its flat rows ``rows`` (unique), in place; returns
-    ``stream``. Those rows must have been read by :func:`rows_for_update` with ``stream_grad``, whose backward
+    """``stream`` [s, b, h] with ``update`` [n, h] added at its flat rows ``rows`` in place (a row listed twice
+    gets both); returns ``stream``. Those rows must have been read by :func:`rows_for_update` with ``stream_grad``, whose backward
     completes the stream's gradient. Nothing may have saved ``stream`` for backward (autograd's version
     check raises if something did)."""
     return _AddRows.apply(stream, rows, update, stream_grad)
