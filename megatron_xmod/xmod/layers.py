@@ -405,11 +405,13 @@ class XModSparseLayer(TransformerLayer):
         # The top-k update in plain torch ops (compiled, the torch permutation backend: CPU, or sequence
         # parallelism's, on every device) adds its rows to the block's residual stream in place
         # (_routed_update_in_place, _routed_update_sequence_parallel); the kernel backends' fused gated scatter
-        # writes a new stream. Not in full recompute's first pass: megatron's checkpoint keeps each chunk's
-        # input for the replay, which a later layer would otherwise write into.
+        # writes a new stream, and so does sequence parallelism under CUDA graphs (not verified on a GPU). Not
+        # in full recompute's first pass: megatron's checkpoint keeps each chunk's input for the replay, which a
+        # later layer would otherwise write into.
+        in_place_sp = self.config.sequence_parallel and not _cuda_graphs(self.config)
         stream_grad = StreamGrad() if (rule == "topk" and phase != "first" and attention_mask is None and samples == 1
                                        and self.cp_group is None
-                                       and (self.config.sequence_parallel or self.compiled_update is not None
+                                       and (in_place_sp or self.compiled_update is not None
                                             or selected_backend(hidden_states) == "torch")) else None
         # [s, b] x w over the whole sequence (the routing step adds the bias), and x as the routed update reads it
         logits, chain, routed_input = self._router_logits(hidden_states, stream_grad)
