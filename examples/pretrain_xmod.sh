@@ -67,6 +67,8 @@ PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
     --pipeline-model-parallel-size "$PP"
     --use-distributed-optimizer
+    --overlap-grad-reduce    # the DP sync behind compute: it moves every parameter (X-MoD: 5-10x Dense's)
+    --overlap-param-gather
     --recompute-granularity selective
 )
 if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi

@@ -75,6 +75,7 @@ def test_pretrain_xmod_example_dry_run(data):
     assert "world size 8 = data-parallel 1 x TP 8" in result.stdout
     assert "global batch 80 sequences per step" in result.stdout
     assert "layers 161" in result.stdout  # the A4K8 layout on the 936m backbone, expanded
+    assert "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather" in command  # as the launchers
     # a launch megatron would reject fails here, before any GPU is asked for
     bad = run_example("pretrain_xmod.sh", DRY_RUN=1, DATA=data, TOKENIZER="unused", TP=3, EXTRA_ARGS=NULL_TOKENIZER)
     assert bad.returncode != 0
@@ -98,6 +99,7 @@ def test_pretrain_gpt_spec_example_dry_run(data):
     # the spelled-out flags are the plugin's presets (936m backbone, Table 5 Muon)
     assert " ".join(backbone_flags(get_backbone("936m"))) in command
     assert " ".join(MUON_TABLE5[2:]) in command and "--optimizer muon --lr 3.2e-3" in command
+    assert "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather" in command
     assert "world size 8 = data-parallel 1 x TP 8" in result.stdout
     # --num-layers that disagrees with the spec's layout: stopped before anything starts
     bad = run_example("pretrain_gpt_spec.sh", **{**env, "NUM_LAYERS": 28})
