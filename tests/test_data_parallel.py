@@ -57,6 +57,31 @@ def test_the_run_summary_says_whether_the_sync_is_exposed():
         "all-gathered after the optimizer step (exposed: --overlap-param-gather hides it)")
 
 
+def test_the_layer_wise_distributed_optimizer_without_bf16_is_refused_naming_the_fix():
+    from megatron_xmod.training.preflight import check_optimizer
+
+    fp32 = SimpleNamespace(use_layer_wise_distributed_optimizer=True, bf16=False, optimizer="muon")
+    with pytest.raises(ValueError, match=r"^use_distributed_optimizer: .*--optimizer muon with "
+                                         r"--use-distributed-optimizer .* bf16 only .*; add --bf16, or drop "
+                                         r"--use-distributed-optimizer"):
+        check_optimizer(fp32)
+    check_optimizer(SimpleNamespace(**{**vars(fp32), "bf16": True}))  # the launchers' setting
+    check_optimizer(SimpleNamespace(use_layer_wise_distributed_optimizer=False, bf16=False, optimizer="adam"))
+
+
+@pytest.mark.slow
+def test_the_entry_point_refuses_fp32_muon_with_the_distributed_optimizer_before_building(tmp_path):
+    """megatron-core 0.19 would build the model and then stop with a bare AssertionError; the pre-flight
+    names the flag before anything is built (no start-up summary, no model)."""
+    data = write_byte_data(str(tmp_path / "bytes"))
+    flags = common_flags(data, ITERS, "--xmod-muon-table5", "--use-distributed-optimizer")
+    result = torchrun(1, ["-m", "megatron_xmod.pretrain"], [*FAMILIES["xmod"], *flags], check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "error: use_distributed_optimizer: megatron's layer-wise distributed optimizer" in output
+    assert "megatron_xmod run" not in output and "AssertionError" not in output
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_overlapped_sync_trains_as_the_synchronous_one_at_dp2(tmp_path, family):

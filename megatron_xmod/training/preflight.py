@@ -46,6 +46,7 @@ def validate_before_training(args, vocab_size: Optional[int] = None) -> None:
     ks = {layer.sparsity_k for layer in config.layer_layout.layers if layer.is_sparse}
     check_document_masks(args, routed=bool(ks))
     check_context_parallel(args)
+    check_optimizer(args)
     segments = getattr(args, "xmod_routing_segments", 1) or 1
     for k in sorted(ks):
         topk_count(args.seq_length, k, segments)  # seq_length: L must split into S x K (top-k routes L/K exactly)
@@ -106,6 +107,18 @@ def check_context_parallel(args) -> None:
                                   if args.sequence_parallel else "")
         raise ValueError(f"seq_length: context parallelism splits a sequence into {what} = {unit} equal parts, "
                          f"{args.seq_length} tokens do not; use a multiple of {unit} (SEQ / --seq-length)")
+
+
+def check_optimizer(args) -> None:
+    """megatron-core 0.19 turns Muon with --use-distributed-optimizer into its layer-wise distributed optimizer
+    (args.use_layer_wise_distributed_optimizer), whose set-up works in bf16 only: in fp32 it stops once the model
+    is built (an AssertionError without a message in ChainedOptimizer, or, with
+    --no-use-layer-wise-param-layout, 'TensorParallelMuon' object has no attribute 'get_loss_scale')."""
+    if getattr(args, "use_layer_wise_distributed_optimizer", False) and not args.bf16:
+        raise ValueError(f"use_distributed_optimizer: megatron's layer-wise distributed optimizer, which "
+                         f"--optimizer {args.optimizer} with --use-distributed-optimizer becomes, sets up in bf16 only "
+                         "(in fp32 it fails once the model is built); add --bf16, or drop --use-distributed-optimizer "
+                         "(every data-parallel rank then keeps the optimizer's whole state)")
 
 
 def check_before_megatron_setup(args) -> None:
