@@ -115,7 +115,7 @@ def rows_for_update(stream: torch.Tensor, rows: torch.Tensor, stream_grad: Strea
 
 def add_rows_(stream: torch.Tensor, rows: torch.Tensor, update: torch.Tensor, stream_grad: StreamGrad) -> torch.Tensor:
     """``stream`` [s, b, h] with ``update`` [n, h] added at its flat rows ``rows`` in place (a row listed twice
-    gets both); returns ``stream``. Those rows must have been read by :func:`rows_for_update` with ``stream_grad``, whose backward
-    completes the stream's gradient. Nothing may have saved ``stream`` for backward (autograd's version
-    check raises if something did)."""
+    gets both); returns ``stream``. Those rows must have been read by :func:`rows_for_update` with
+    ``stream_grad``, whose backward completes the stream's gradient. Nothing may have saved ``stream`` for
+    backward (autograd's version check raises if something did)."""
     return _AddRows.apply(stream, rows, update, stream_grad)
