@@ -331,6 +331,15 @@ def plain_routed_rows(layer: XModSparseLayer, routed, indices, gate, rotary_pos_
     return (gate.unsqueeze(-1) * delta).view(k * b, -1)
 
 
+def _stream_and_rows(hidden_states, rows, stream_grad: StreamGrad, logits):
+    """(the residual stream an in-place update writes, its flat rows ``rows`` read for the update): ``hidden_states``
+    itself where it continues the router-input chain (``stream_grad.continues``), else a copy (the chain's first
+    layer); ``logits`` orders the router's backward after the rows' where the chain is wired."""
+    stream = hidden_states if stream_grad.continues else hidden_states.clone(memory_format=torch.contiguous_format)
+    return stream, reference_permute.rows_for_update(stream, rows, stream_grad,
+                                                     logits if stream_grad.chain is not None else None)
+
+
 def _cuda_graphs(config) -> bool:
     return getattr(config, "cuda_graph_impl", "none") not in (None, "none")
 
@@ -684,9 +693,7 @@ class XModSparseLayer(TransformerLayer):
         layer). The router's backward completes the input's gradient after the gather's, which ``logits`` orders.
         Full-length buffers: one a chain forward (the copy) and one a chain backward (permute.reference.StreamGrad),
         where the out-of-place update made one forward and two to four backward a layer."""
-        stream = hidden_states if stream_grad.continues else hidden_states.clone(memory_format=torch.contiguous_format)
-        routed = reference_permute.rows_for_update(stream, rows, stream_grad,
-                                                   logits if stream_grad.chain is not None else None)
+        stream, routed = _stream_and_rows(hidden_states, rows, stream_grad, logits)
         update = (self.compiled_update or plain_routed_rows)(self, routed, indices, gate, rotary_pos_emb)
         return reference_permute.add_rows_(stream, rows, update, stream_grad), routed
 
@@ -726,9 +733,7 @@ class XModSparseLayer(TransformerLayer):
         if stream_grad is None:
             read = hidden_states.reshape(-1, hidden).index_select(0, written)
         else:
-            stream = hidden_states if stream_grad.continues else hidden_states.clone(memory_format=torch.contiguous_format)
-            read = reference_permute.rows_for_update(stream, written, stream_grad,
-                                                     logits if stream_grad.chain is not None else None)
+            stream, read = _stream_and_rows(hidden_states, written, stream_grad, logits)
         rows = torch.where(mine.unsqueeze(-1), read.view(-1, batch, hidden), 0)
         routed = reduce_scatter_to_sequence_parallel_region(rows, group=group)  # [(k + pad) / T, b, h]
         # the end padding comes last: causal suffices
