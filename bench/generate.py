@@ -94,10 +94,11 @@ def _sync(device):
 
 
 @torch.no_grad()
-def prefill(model, prompt):
+def prefill(model, prompt, max_cache_len=None):
+    """Greedy token after ``prompt`` and the cache; ``max_cache_len``: a fixed-shape cache of that many tokens."""
     from megatron_xmod.hf.cache import XModCache
 
-    cache = XModCache(model.config)
+    cache = XModCache(model.config, max_cache_len=max_cache_len)
     logits = model(prompt, cache=cache, logits_to_keep=1).logits[:, -1]
     return logits.argmax(-1, keepdim=True), cache
 
@@ -112,10 +113,10 @@ def decode(model, token, cache, steps: int):
     return torch.cat(out, dim=1)
 
 
-def time_prefill(model, prompt, device):
+def time_prefill(model, prompt, device, max_cache_len=None):
     _sync(device)
     start = time.perf_counter()
-    token, cache = prefill(model, prompt)
+    token, cache = prefill(model, prompt, max_cache_len)
     _sync(device)
     return time.perf_counter() - start, token, cache
 
@@ -128,10 +129,27 @@ def time_decode(model, token, cache, new_tokens: int, device):
     return time.perf_counter() - start, generated
 
 
-def syncs_per_token(model, prompt, steps: int) -> float:
+def time_fixed_shape_decode(model, token, cache, new_tokens: int, device):
+    """A fixed-shape decode: the first two steps apart (the first builds the buffers, the second captures the
+    CUDA graph where one is captured), then the rest timed. Returns (first two steps' seconds, the rest's
+    seconds, generated tokens)."""
+    _sync(device)
+    start = time.perf_counter()
+    first = decode(model, token, cache, 2)
+    _sync(device)
+    middle = time.perf_counter()
+    rest = decode(model, first[:, -1:], cache, new_tokens - 2)
+    _sync(device)
+    return middle - start, time.perf_counter() - middle, torch.cat([first, rest], dim=1)
+
+
+def syncs_per_token(model, prompt, steps: int, max_cache_len=None) -> float:
+    """Host syncs per decoded token; with ``max_cache_len`` (fixed-shape decode) after its first two steps."""
     from sync_counter import SyncCounter
 
-    token, cache = prefill(model, prompt)
+    token, cache = prefill(model, prompt, max_cache_len)
+    if max_cache_len is not None:
+        token = decode(model, token, cache, 2)[:, -1:]
     with SyncCounter() as counter:
         decode(model, token, cache, steps)
     return counter.count / steps
@@ -151,16 +169,18 @@ def build_models(models, hidden, max_positions, calibration_length, device, log=
 
 
 def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=print, after_each=None,
-            per_layer_decode=False):
+            per_layer_decode=False, fixed_shape=False):
     """Rows of every (batch, prompt, model); ``after_each(rows)`` after each (batch, prompt), so that a run
-    cut off keeps what finished."""
+    cut off keeps what finished. ``fixed_shape``: each model also decodes from its own prefill into a
+    fixed-shape cache (``XModCache(max_cache_len=...)``, static_decode.py)."""
     models = list(built)
     vocab = built[models[0]][0].config.vocab_size
     rows = []
     for batch in batches:
         for length in prompt_lengths:
             prompt = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(2)).to(device)
-            times = {(name, path): ([], []) for name in models for path in ("after", "before")}
+            times = {(name, path): ([], []) for name in models for path in ("after", "before", "fixed")}
+            capacity = length + new_tokens + 1
             outputs = {}
             for name in models:  # warm-up, untimed: first calls allocate and pick kernels
                 # at the timed size: a first 2048-token prefill of Dense ran at a third of the next ones' speed
@@ -187,6 +207,14 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                         del cache
                     del prefilled
                     model.model.decode_skips_unrouted = True
+                    if fixed_shape:
+                        _, token, cache = time_prefill(model, prompt, device, capacity)
+                        first, dec, generated = time_fixed_shape_decode(model, token, cache, new_tokens, device)
+                        times[name, "fixed"][0].append(first)
+                        times[name, "fixed"][1].append(dec)
+                        outputs[name, "fixed"] = (cache.nbytes(allocated=True)["total"], generated,
+                                                  cache.static.graph is not None)
+                        del cache
             for name in models:
                 model, fractions = built[name]
                 cache_bytes, generated = outputs[name, "after"]
@@ -203,6 +231,13 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                     model.model.decode_skips_unrouted = False
                     row["syncs_per_token_before"] = syncs_per_token(model, prompt, min(8, new_tokens))
                     model.model.decode_skips_unrouted = True
+                if fixed_shape:
+                    allocated, fixed_generated, graphed = outputs[name, "fixed"]
+                    first, dec = (statistics.median(t) for t in times[name, "fixed"])
+                    row.update(fixed_decode_tok_s=batch * (new_tokens - 2) / dec, fixed_first_steps_s=first,
+                               fixed_kv_cache_allocated_bytes=allocated, fixed_cuda_graph=graphed,
+                               fixed_same_tokens=bool(torch.equal(fixed_generated, generated)),
+                               fixed_syncs_per_token=syncs_per_token(model, prompt, min(8, new_tokens - 2), capacity))
                 rows.append(row)
                 log(f"[generate] batch {batch} prompt {length} {name}: prefill {row['prefill_tok_s']:.0f} tok/s, "
                     f"decode {row['decode_tok_s']:.1f} tok/s, {row['syncs_per_token']:.1f} syncs/token")
@@ -280,6 +315,9 @@ def compare_with_dense(rows) -> None:
             r["decode_vs_dense"] = r["decode_tok_s"] / d["decode_tok_s"]
             if "decode_tok_s_before" in r:
                 r["decode_before_vs_dense"] = r["decode_tok_s_before"] / d["decode_tok_s"]
+            if "fixed_decode_tok_s" in r and "fixed_decode_tok_s" in d:
+                r["fixed_vs_dense_fixed"] = r["fixed_decode_tok_s"] / d["fixed_decode_tok_s"]
+                r["fixed_vs_default"] = r["fixed_decode_tok_s"] / r["decode_tok_s"]
 
 
 def render_markdown(meta, rows) -> str:
@@ -304,6 +342,19 @@ def render_markdown(meta, rows) -> str:
                    f"{r['decode_tok_s']:.1f} | {r.get('decode_vs_dense', 1):.2f} | "
                    f"{before} | {syncs} | {r['kv_cache_bytes'] / 1024:.0f} "
                    f"({r.get('kv_cache_allocated_bytes', r['kv_cache_bytes']) / 1024:.0f}) |")
+    fixed = [r for r in rows if "fixed_decode_tok_s" in r]
+    if fixed:
+        out += ["", "Fixed-shape decode (`XModCache(max_cache_len=prompt + new tokens + 1)`, static_decode.py; "
+                "timed after its first two steps, which build the buffers and, on a GPU, capture the CUDA graph):", "",
+                "| batch | prompt | model | decode tok/s | vs default path | vs Dense (fixed) | first two steps s | "
+                "syncs/token | CUDA graph | same tokens | KV cache KiB allocated |",
+                "|---:|---:|---|---:|---:|---:|---:|---:|---|---|---:|"]
+        for r in fixed:
+            out.append(f"| {r['batch']} | {r['prompt']} | {r['model']} | {r['fixed_decode_tok_s']:.1f} | "
+                       f"{r.get('fixed_vs_default', 1):.2f} | {r.get('fixed_vs_dense_fixed', 1):.2f} | "
+                       f"{r['fixed_first_steps_s']:.2f} | {r['fixed_syncs_per_token']:.1f} | "
+                       f"{'yes' if r['fixed_cuda_graph'] else 'no (eager)'} | "
+                       f"{'yes' if r['fixed_same_tokens'] else 'NO'} | {r['fixed_kv_cache_allocated_bytes'] / 1024:.0f} |")
     return "\n".join(out) + "\n"
 
 
@@ -346,6 +397,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="hidden 64, prompt 32, batch 1 and 2, 8 new tokens, 1 repeat")
     p.add_argument("--per-layer-decode", action="store_true",
                    help="also decode with every sparse layer's own routing at every step (the path before the run-ahead)")
+    p.add_argument("--fixed-shape", action="store_true",
+                   help="also decode with the fixed-shape cache (XModCache(max_cache_len=...); a CUDA graph on a GPU)")
     p.add_argument("--long-contexts", type=int, nargs="*", default=[],
                    help="also decode from a synthetic cache of this many tokens (no prefill; see synthetic_cache)")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
@@ -372,7 +425,7 @@ def main(argv=None):
     longest = max(args.prompts + args.long_contexts) + args.new_tokens + 8
     built = build_models(args.models, args.hidden, longest, min(512, max(args.prompts, default=512)), device)
     rows = measure(built, args.prompts, args.batches, args.new_tokens, args.repeats, device, after_each=write,
-                   per_layer_decode=args.per_layer_decode)
+                   per_layer_decode=args.per_layer_decode, fixed_shape=args.fixed_shape)
     if args.long_contexts:
         rows += measure_long_context(built, args.long_contexts, args.batches, args.new_tokens, device,
                                      after_each=lambda long_rows: write(rows + long_rows))

@@ -15,7 +15,8 @@
 #             one step of each under torch.profiler at 298m, L=32768 (host vs device time)
 #                                                                         -> $OUT/host_overhead_gpu.*
 #   generate  bench/generate.py: prefill / decode tokens/s of the HF models, h=512, prompts 256 and 2048,
-#             batch 1 and 8, 32 new tokens (needs transformers importable)  -> $OUT/generate_cuda_*
+#             batch 1 and 8, 32 new tokens, the default decode and the fixed-shape one (one CUDA graph
+#             with an IF node a sparse layer; needs transformers importable)  -> $OUT/generate_cuda_*
 #   throughput bench/throughput.py: tokens/s, L=32768, 4 micro-batches a step -> $OUT/throughput_gpu.*
 # Every step runs under its own `timeout` (the caps below add up to 538 s) and writes into $OUT as it
 # goes, so a run cut off anywhere still returns what finished; $OUT/summary.txt has one line a step.
@@ -30,7 +31,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 STEPS=(env wheels build tests memcheck racecheck permute ops host generate throughput)
-declare -A CAP=([env]=8 [wheels]=30 [build]=75 [tests]=70 [memcheck]=20 [racecheck]=20 [permute]=40 [ops]=15 [host]=65 [generate]=45 [throughput]=150)
+declare -A CAP=([env]=8 [wheels]=30 [build]=75 [tests]=70 [memcheck]=20 [racecheck]=20 [permute]=30 [ops]=15 [host]=65 [generate]=55 [throughput]=150)
 WHEEL_PINS=(megatron-core==0.19.2 numpy==2.5.5 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0)
 WHEELS="${WHEELS:-$ROOT/runs/gpu_wheels}"
 
@@ -162,7 +163,7 @@ if [ "$MODE" = gpu ]; then
   step host "$PY" bench/host_overhead.py --device cuda --graphs --profile-backbone 298m --profile-seq-len 32768 \
     --steps 2 --out "$OUT" --tag gpu
   step generate "$PY" bench/generate.py --device cuda --prompts 256 2048 --batches 1 8 --new-tokens 32 --repeats 1 \
-    --out "$OUT"
+    --fixed-shape --out "$OUT"
   # 4 micro-batches a step here to fit the cap (the paper's protocol, 10, is throughput.py's GPU default)
   step throughput "$PY" bench/throughput.py --num-microbatches 4 --warmup 1 --steps 1 --eval-steps 1 --out "$OUT" --tag gpu
 else
@@ -170,7 +171,7 @@ else
   step ops "$PY" bench/ops.py --paths torch --seq-len 16 --batch 1 --out "$OUT" --tag cpu
   step host "$PY" bench/host_overhead.py --device cpu --models dense mod --activated-depth 9 --hidden-size 32 \
     --seq-len 16 --calls 2 --repeats 1 --steps 1 --graphs --out "$OUT" --tag cpu
-  step generate "$PY" bench/generate.py --quick --models dense mod --out "$OUT"
+  step generate "$PY" bench/generate.py --quick --models dense mod --fixed-shape --out "$OUT"
   step throughput "$PY" bench/throughput.py --tiny --activated-depth 9 --models dense xmod-a4k8 --num-microbatches 2 \
     --out "$OUT" --tag cpu
 fi

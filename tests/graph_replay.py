@@ -14,9 +14,16 @@ replaced by that op's replayed output, every other tensor is the same object (a 
 address). Copy new values into the recorded inputs first (:meth:`Recording.set_inputs`).
 
 What a CUDA graph cannot hold is refused while recording (:class:`NotCapturable`): a host
-synchronisation (``aten._local_scalar_dense``: ``.item()``, ``int(t)``, ``.tolist()``, Python
-control flow on a tensor) and data-dependent output shapes (``nonzero``, ``unique``, ...). Python
+synchronisation (``aten._local_scalar_dense``: ``.item()``, ``int(t)``, Python control flow on a
+tensor; ``.tolist()`` / ``.numpy()``, which read the data without a dispatched op, through a
+``TorchFunctionMode``) and data-dependent output shapes (``nonzero``, ``unique``, ...). Python
 side effects are invisible to the replay by construction: that is what the test of a module checks.
+
+Conditional nodes (CUDA >= 12.4: a child graph that the device runs when a flag tensor is true):
+:meth:`_Recorder.branch` has the signature of ``StaticDecodeState.branch`` (``branch(pred, body)``) and
+records ``body``'s ops as a child of the recording, without reading ``pred``; the replay runs them when
+the replayed ``pred`` is true (the emulator plays the device there). As a capture, the recording runs
+the body whatever ``pred`` says, so the state it leaves is not a step's: restore it after recording.
 
 ``tensor.data = other`` (megatron's ``make_viewless_tensor``) re-points a tensor's storage without
 an aten op; the recording notices a tensor whose storage changed after it was produced and replays
@@ -29,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -42,6 +50,13 @@ class NotCapturable(RuntimeError):
     """The recorded region did something a CUDA graph cannot capture."""
 
 
+class _HostReads(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in ("tolist", "numpy"):
+            raise NotCapturable(f"Tensor.{func.__name__}(): a host synchronisation cannot be captured in a CUDA graph")
+        return func(*args, **(kwargs or {}))
+
+
 def _storage_key(t: torch.Tensor):
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
@@ -53,6 +68,12 @@ class _Op:
     kwargs: dict
     outputs: list  # flattened recorded outputs (tensors or other values)
     aliases: list  # (recorded tensor, recorded source tensor) resolved just before this op
+
+
+@dataclasses.dataclass
+class _Conditional:
+    pred: torch.Tensor  # a recorded 0-dim bool tensor
+    ops: list  # the child's ops (_Op or _Conditional)
 
 
 class _Recorder(TorchDispatchMode):
@@ -96,6 +117,19 @@ class _Recorder(TorchDispatchMode):
         self.ops.append(_Op(func, args, kwargs, flat_out, aliases))
         return out
 
+    def branch(self, pred: torch.Tensor, body: Callable[[], None]) -> None:
+        """Record ``body()``'s ops as a conditional node on ``pred`` (not read)."""
+        outer, self.ops = self.ops, []
+        try:
+            body()
+        finally:
+            child, self.ops = self.ops, outer
+        self.keep.append(pred)
+        self.ops.append(_Conditional(pred, child))
+
+    def conditionals(self) -> int:
+        return sum(isinstance(op, _Conditional) for op in self.ops)
+
 
 class Recording:
     """The aten ops of one recorded run; see the module docstring."""
@@ -112,7 +146,11 @@ class Recording:
         return len(self.ops)
 
     def op_names(self) -> list[str]:
-        return [str(op.func) for op in self.ops]
+        return [str(op.func) for op in self.ops if isinstance(op, _Op)]
+
+    def conditionals(self) -> int:
+        """Conditional nodes at the top level of the recording."""
+        return sum(isinstance(op, _Conditional) for op in self.ops)
 
     def set_inputs(self, **values: torch.Tensor) -> None:
         """Copy new values into the recorded input tensors (a graph's static inputs)."""
@@ -127,8 +165,12 @@ class Recording:
         def look_up(x):
             return env.get(id(x), x) if isinstance(x, torch.Tensor) else x
 
-        with torch.no_grad():
-            for op in self.ops:
+        def run(ops):
+            for op in ops:
+                if isinstance(op, _Conditional):
+                    if bool(look_up(op.pred)):  # the device's decision, emulated
+                        run(op.ops)
+                    continue
                 for alias, source in op.aliases:
                     env[id(alias)] = look_up(source)
                 args, kwargs = pytree.tree_map(look_up, (op.args, op.kwargs))
@@ -138,16 +180,27 @@ class Recording:
                 for recorded, replayed in zip(op.outputs, out):
                     if isinstance(recorded, torch.Tensor):
                         env[id(recorded)] = replayed
+
+        with torch.no_grad():
+            run(self.ops)
             for alias, source in self._final_aliases:
                 env[id(alias)] = look_up(source)
         return pytree.tree_map(look_up, self.result)
 
 
-def record(fn: Callable[..., Any], **inputs: torch.Tensor) -> Recording:
-    """Run ``fn(**inputs)`` once, recording its aten ops. ``inputs`` are the static input tensors."""
+def record(fn: Callable[..., Any], branch_owner: Any = None, **inputs: torch.Tensor) -> Recording:
+    """Run ``fn(**inputs)`` once, recording its aten ops. ``inputs`` are the static input tensors.
+    ``branch_owner``: an object whose ``branch(pred, body)`` the recording replaces meanwhile, to record
+    conditional nodes (module docstring)."""
     recorder = _Recorder()
-    with recorder:
-        result = fn(**inputs)
+    if branch_owner is not None:
+        branch_owner.branch = recorder.branch
+    try:
+        with _HostReads(), recorder:
+            result = fn(**inputs)
+    finally:
+        if branch_owner is not None:
+            del branch_owner.branch
     return Recording(recorder, inputs, result)
 
 

@@ -61,3 +61,5 @@ def test_cpu_mode_runs_every_step(tmp_path):
     generated = json.loads(next(tmp_path.glob("generate_cpu_*_quick.json")).read_text())["rows"]
     assert {(r["model"], r["batch"]) for r in generated} == {(m, b) for m in ("dense", "mod") for b in (1, 2)}
     assert all(r["decode_tok_s"] > 0 and r["kv_cache_bytes"] > 0 for r in generated)
+    # the fixed-shape decode ran (eagerly here: no GPU) and decoded the default path's tokens
+    assert all(r["fixed_decode_tok_s"] > 0 and r["fixed_same_tokens"] and not r["fixed_cuda_graph"] for r in generated)

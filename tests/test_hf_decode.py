@@ -567,12 +567,13 @@ def test_crop_refuses_entries_out_of_token_order_and_drops_nothing():
 
 
 def test_generate_says_it_ignores_a_cache_implementation():
-    """generate(cache_implementation="static") cannot give a routed model a static cache: it says so and
-    generates with the XModCache, the same tokens."""
+    """generate(cache_implementation="offloaded") cannot give a routed model transformers' cache: it says so
+    and generates with the XModCache, the same tokens ("static" takes the fixed-shape decode:
+    test_hf_static_decode.py)."""
     model = routed_model()
     with torch.no_grad():
         plain = model.generate(prompt(), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
         with pytest.warns(UserWarning, match="cache_implementation"):
-            static = model.generate(prompt(), max_new_tokens=4, do_sample=False, pad_token_id=PAD,
-                                    cache_implementation="static")
-    assert torch.equal(static, plain)
+            other = model.generate(prompt(), max_new_tokens=4, do_sample=False, pad_token_id=PAD,
+                                   cache_implementation="offloaded")
+    assert torch.equal(other, plain)

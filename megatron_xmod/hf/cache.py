@@ -16,7 +16,12 @@ The token-choice bias (Eq.8 of the X-MoD paper) needs no cache: a token's bias i
 only on its own decisions in the previous sparse layers of the block, all taken in the forward pass
 that processes the token, so the model hands it from layer to layer within the pass.
 
-This file is copied verbatim into exported model folders: it imports only torch and transformers.
+``XModCache(config, max_cache_len=N)`` decodes on fixed-shape buffers instead (static_decode.py): after
+the prefill, the first decode step moves the entries into buffers sized for N tokens a sequence, which
+one CUDA graph can replay.
+
+This file is copied verbatim into exported model folders: it imports only torch, transformers and
+static_decode.py.
 """
 from __future__ import annotations
 
@@ -24,6 +29,11 @@ from typing import Optional
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+try:  # an exported folder: the verbatim copy next to this file
+    from .static_decode import StaticDecodeState
+except ImportError:  # inside the megatron_xmod package
+    from megatron_xmod.hf.static_decode import StaticDecodeState
 
 
 def tokens_to_drop(tokens_to_remove: int) -> int:
@@ -406,9 +416,15 @@ class SparseKVLayer(_KVLayer):
 
 class XModCache(Cache):
     """A :class:`SparseKVLayer` per sparse decoder layer, a :class:`DenseKVLayer` per dense one;
-    ``get_seq_length`` counts tokens seen (not entries)."""
+    ``get_seq_length`` counts tokens seen (not entries).
 
-    def __init__(self, config=None, num_layers: Optional[int] = None, sparse_layers: Optional[list] = None):
+    ``max_cache_len``: decode on fixed-shape buffers for that many tokens a sequence (prompt included;
+    :class:`StaticDecodeState`, built from this cache's entries at the first decode step; ``graphed``: capture
+    the step as a CUDA graph, by default where the GPU and torch can). What generate's greedy search and
+    sampling need works on it; beam search, assisted decoding and ``crop`` need the default cache."""
+
+    def __init__(self, config=None, num_layers: Optional[int] = None, sparse_layers: Optional[list] = None,
+                 max_cache_len: Optional[int] = None, graphed: Optional[bool] = None):
         if config is not None:
             num_layers = config.num_hidden_layers
             sparse_layers = [config.is_sparse(i) for i in range(num_layers)]
@@ -416,6 +432,11 @@ class XModCache(Cache):
             raise ValueError("num_layers: XModCache needs the model config or the number of layers")
         sparse_layers = sparse_layers or [False] * num_layers
         super().__init__(layers=[SparseKVLayer() if s else DenseKVLayer() for s in sparse_layers])
+        if max_cache_len is not None and not (isinstance(max_cache_len, int) and max_cache_len > 0):
+            raise ValueError(f"max_cache_len: the tokens a sequence may reach must be a positive integer, got "
+                             f"{max_cache_len!r}")
+        self.max_cache_len, self.graphed = max_cache_len, graphed
+        self.static: Optional[StaticDecodeState] = None
         self.seen_tokens = 0
         self.sequences: Optional[int] = None  # the batch size of the current pass (begin_pass)
         # positions [b, n] and valid [b, n] (None: all) of every pass's tokens, for crop
@@ -425,11 +446,26 @@ class XModCache(Cache):
                *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states, valid, positions, rows, self.sequences)
 
+    def static_state(self) -> StaticDecodeState:
+        """The fixed-shape decode buffers (``max_cache_len``), built from the entries so far at the first
+        call; the per-layer caches are emptied then (their entries live in the buffers)."""
+        if self.static is None:
+            self.static = StaticDecodeState(self, self.max_cache_len, self.graphed)
+            for layer in self.layers:
+                layer.reset()
+        return self.static
+
+    def _refuse_when_static(self, what: str) -> None:
+        if self.static is not None:
+            raise ValueError(f"{what}: a fixed-shape cache (max_cache_len) keeps its batch and entries in place; "
+                             "beam search, assisted decoding and crop need XModCache without max_cache_len")
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the sequences ``indices`` in every layer: one read of the indices for all layers."""
+        self._refuse_when_static("batch_select_indices")
         picked = indices.tolist()
         for layer in self.layers:
             layer.select_batch(indices, picked)
@@ -439,6 +475,7 @@ class XModCache(Cache):
             self._passes = [(positions.index_select(0, indices), valid.index_select(0, indices))]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._refuse_when_static("batch_repeat_interleave")
         super().batch_repeat_interleave(repeats)
         if self._passes:
             self._passes = [tuple(t.repeat_interleave(repeats, dim=0) for t in self._tokens())]
@@ -470,6 +507,7 @@ class XModCache(Cache):
         drop = tokens_to_drop(tokens_to_remove)
         if drop == 0:
             return
+        self._refuse_when_static("crop")
         if drop > self.seen_tokens:
             raise ValueError(f"crop: cannot drop {drop} tokens, the cache has seen {self.seen_tokens}")
         if sum(p.shape[1] for p, _ in self._passes) != self.seen_tokens:
@@ -510,18 +548,23 @@ class XModCache(Cache):
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+        self.static = None
         self.seen_tokens = 0
         self._passes = []
 
     def nbytes(self, valid_only: bool = False, allocated: bool = False) -> dict:
         """Cache bytes: ``{"sparse": ..., "dense": ..., "total": ..., "per_layer": [...]}`` (see
         :meth:`SparseKVLayer.nbytes`)."""
+        if self.static is not None:
+            return self.static.nbytes(valid_only, allocated)
         per_layer = [layer.nbytes(valid_only, allocated) for layer in self.layers]
         sparse = sum(b for b, layer in zip(per_layer, self.layers) if layer.sparse)
         return {"sparse": sparse, "dense": sum(per_layer) - sparse, "total": sum(per_layer), "per_layer": per_layer}
 
     def entries(self) -> list[int]:
         """Valid cached entries per layer (summed over the batch)."""
+        if self.static is not None:
+            return self.static.entries()
         return [sum(layer.entries_per_sequence()) for layer in self.layers]
 
 

@@ -20,6 +20,7 @@ Shapes are batch-first ``[b, s, h]`` here; the routing functions take megatron's
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Optional
@@ -35,9 +36,11 @@ try:  # an exported folder: the verbatim copies next to this file
     from .configuration_xmod import XModHFConfig
     from .moe_scores import normalize_routing_logits, top_p_routing, topk_routing
     from .routing import adjusted_logits, gated_residual, route, update_token_choice_bias
+    from .static_decode import StaticDecodeState
 except ImportError:  # inside the megatron_xmod package
     from megatron_xmod.hf.cache import XModCache
     from megatron_xmod.hf.configuration_xmod import XModHFConfig
+    from megatron_xmod.hf.static_decode import StaticDecodeState
     from megatron_xmod.moe.scores import normalize_routing_logits, top_p_routing, topk_routing
     from megatron_xmod.xmod.routing import (
         adjusted_logits,
@@ -136,15 +139,7 @@ class XModAttention(nn.Module):
         padding, if any, comes after the valid tokens): plain causal attention, without a mask, which
         lets the attention kernel skip the blocks above the diagonal."""
         b, m, _ = x.shape
-        q = self.q_proj(x).view(b, m, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, m, self.groups, self.head_dim)
-        v = self.v_proj(x).view(b, m, self.groups, self.head_dim)
-        if self.config.qk_layernorm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope if rope is not None else rotary_tables(self.config, positions, x.dtype)
-        q = apply_rotary(q, cos, sin, self.config.rotary_interleaved)
-        k = apply_rotary(k, cos, sin, self.config.rotary_interleaved)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, m, d]
+        q, k, v = self.project(x, rope if rope is not None else rotary_tables(self.config, positions, x.dtype))
         if cache is not None and m == 1 and b > 1 and cache.layers[self.layer_idx].sparse:
             # A decode step's tokens of several sequences in a sparse layer: each attends to its own
             # sequence's buffer as it is (a view). One padded batch would copy every sequence's entries
@@ -155,6 +150,27 @@ class XModAttention(nn.Module):
         else:
             out = self._attend(q, k, v, valid, positions, cache, documents, rows, causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, m, self.heads * self.head_dim))
+
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Queries, keys and values ``[b, heads, m, d]`` of ``x`` ``[b, m, h]`` (QK-norm, then RoPE ``(cos, sin)``)."""
+        b, m, _ = x.shape
+        q = self.q_proj(x).view(b, m, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, m, self.groups, self.head_dim)
+        v = self.v_proj(x).view(b, m, self.groups, self.head_dim)
+        if self.config.qk_layernorm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q = apply_rotary(q, cos, sin, self.config.rotary_interleaved)
+        k = apply_rotary(k, cos, sin, self.config.rotary_interleaved)
+        return tuple(t.transpose(1, 2) for t in (q, k, v))
+
+    def decode_static(self, x: torch.Tensor, rope, state: StaticDecodeState) -> torch.Tensor:
+        """A fixed-shape decode step's attention (``x`` ``[b, 1, h]``): appends this step's key and value to
+        ``state``'s buffers of this layer and attends over them, masked (static_decode.py)."""
+        b = x.shape[0]
+        out = state.attention(self.layer_idx, *self.project(x, rope), scale=1.0 / math.sqrt(self.head_dim),
+                              enable_gqa=self.heads != self.groups)
+        return self.o_proj(out.transpose(1, 2).reshape(b, 1, self.heads * self.head_dim))
 
     def _attend(self, q, k, v, valid, positions, cache, documents=None, rows=None, causal=False):
         """Appends ``k`` / ``v`` ``[b, groups, m, d]`` to the cache (if any) and returns SDPA's ``[b, heads, m, d]``."""
@@ -254,10 +270,12 @@ class XModMoE(nn.Module):
         self.shared_experts = (XModMLP(config, config.shared_expert_intermediate_size)
                                if config.shared_expert_intermediate_size else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, every_expert: bool = False) -> torch.Tensor:
+        """``every_expert``: run every expert on every token (weighted 0 where not routed): fixed shapes,
+        no device read (a fixed-shape decode step's choice)."""
         tokens = x.reshape(-1, x.shape[-1])
         weights, routing_map = self.router(tokens)
-        if tokens.shape[0] <= len(self.experts) <= tokens.shape[0] * self.router.config.moe_router_topk:
+        if every_expert or tokens.shape[0] <= len(self.experts) <= tokens.shape[0] * self.router.config.moe_router_topk:
             # A decode step's tokens, enough of them to reach about every expert: every expert runs on
             # all of them, weighted 0 where not routed. At decode an expert's cost is reading its
             # weights, which those tokens read anyway; in exchange no device read decides which run.
@@ -531,6 +549,13 @@ class XModModel(XModPreTrainedModel):
             if documents is not None:  # several documents in a row: scored one by one, nothing to decode from
                 cache, documents = None, documents.expand(b, n)
         position_ids = position_ids.expand(b, n)
+        if cache is not None and cache.max_cache_len is not None and n == 1 and past > 0 and rule == "threshold":
+            if input_ids is None:
+                raise ValueError("inputs_embeds: a fixed-shape decode step (XModCache(max_cache_len=...)) takes "
+                                 "input_ids; decode with a cache without max_cache_len to pass embeddings")
+            hidden = cache.static_state().step(self.decode_static, input_ids, position_ids, valid)
+            cache.advance(1)
+            return hidden.clone(), cache
         if cache is not None:
             cache.begin_pass(b, position_ids, valid)
         rope = rotary_tables(cfg, position_ids, x.dtype)
@@ -549,6 +574,46 @@ class XModModel(XModPreTrainedModel):
         if cache is not None:
             cache.advance(n)
         return self.norm(x), cache
+
+    def decode_static(self, state: StaticDecodeState) -> torch.Tensor:
+        """One decode step on ``state``'s fixed buffers (static_decode.py): no host read outside
+        ``state.branch``, no shape that depends on the routing. Each sparse layer decides on the device
+        and runs attention and MLP under ``state.branch`` (skipped when it routes no token of the batch);
+        the routed rows get the gated update, the others keep x. Returns the hidden states after the final
+        norm ``[b, 1, h]``."""
+        cfg = self.config
+        x = self.embed_tokens(state.input_ids)
+        rope = rotary_tables(cfg, state.positions, x.dtype)
+        bias = None  # token-choice bias [b, 1] of the sparse layer just run
+        for i, layer in enumerate(self.layers):
+            carried = bias if cfg.carries_bias(i) else None
+            if not layer.sparse:
+                attention = layer.self_attn.decode_static(layer.input_layernorm(x), rope, state)
+                x = x + attention
+                x = x + self._decode_static_mlp(layer, x)
+                bias = None
+                continue
+            decision = route(layer.router_logits(x).t(), layer.sparsity_k, "threshold",
+                             None if carried is None else carried.t(), cfg.token_choice_bias_tau)
+            scores, routed = decision.scores.t(), decision.selected.t() & state.valid  # [b, 1]
+            state.branch(routed.any(), functools.partial(self._decode_static_sparse, layer, state, x, rope, scores, routed))
+            bias = update_token_choice_bias(carried, decision.selected.t(), cfg.token_choice_bias_increment)
+        state.column.add_(1)
+        return self.norm(x)
+
+    def _decode_static_sparse(self, layer, state: StaticDecodeState, x, rope, scores, routed) -> None:
+        """A sparse layer's attention and MLP for every row of a fixed-shape decode step; the gated update
+        goes into the routed rows of ``x`` (in place), and ``state`` keeps their cache entries."""
+        attention = layer.self_attn.decode_static(layer.input_layernorm(x), rope, state)
+        mlp = self._decode_static_mlp(layer, x + attention)
+        delta, gate = gated_residual(self.config.routing_family, attention, mlp, torch.sigmoid(scores).to(x.dtype),
+                                     getattr(layer, "gate_scale", None), routed.to(x.dtype))
+        x.add_(gate.unsqueeze(-1) * delta)
+        state.advance_sparse(layer.layer_idx, routed)
+
+    def _decode_static_mlp(self, layer, x):
+        normed = layer.post_attention_layernorm(x)
+        return layer.mlp(normed, every_expert=True) if self.config.is_moe else layer.mlp(normed)
 
     def sparse_runs(self) -> list[tuple[int, int]]:
         """(first, end) of every run of consecutive sparse layers (one token-choice-bias chain each)."""
@@ -649,9 +714,13 @@ class XModForCausalLM(XModPreTrainedModel, GenerationMixin):
         """``generate`` starts with an XModCache (its default, transformers' DynamicCache, cannot hold a sparse
         layer's entries): assisted decoding needs the cache before the first pass, to crop rejected drafts."""
         if model_kwargs.get(_CACHE_FIELD) is None and generation_config.use_cache is not False:
-            if getattr(generation_config, "cache_implementation", None) is not None:
-                warnings.warn(f"cache_implementation: a routed model generates with its XModCache; "
-                              f"{generation_config.cache_implementation!r} is ignored", stacklevel=2)
+            implementation = getattr(generation_config, "cache_implementation", None)
+            if implementation == "static":  # fixed-shape decode steps (static_decode.py)
+                model_kwargs[_CACHE_FIELD] = XModCache(self.config, max_cache_len=generation_config.max_length)
+                return None
+            if implementation is not None:
+                warnings.warn(f"cache_implementation: a routed model generates with its XModCache (or, with "
+                              f"'static', its fixed-shape decode); {implementation!r} is ignored", stacklevel=2)
             model_kwargs[_CACHE_FIELD] = XModCache(self.config)
             return None
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)

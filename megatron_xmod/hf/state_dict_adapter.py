@@ -50,6 +50,7 @@ EXPORTED_FILES = {
     "configuration_xmod.py": _PACKAGE / "hf" / "configuration_xmod.py",
     "modeling_xmod.py": _PACKAGE / "hf" / "modeling_xmod.py",
     "cache.py": _PACKAGE / "hf" / "cache.py",
+    "static_decode.py": _PACKAGE / "hf" / "static_decode.py",
     "routing.py": _PACKAGE / "xmod" / "routing.py",
     "moe_scores.py": _PACKAGE / "moe" / "scores.py",
 }

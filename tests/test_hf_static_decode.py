@@ -1,0 +1,155 @@
+"""Issue 22: fixed-shape decode steps (``XModCache(max_cache_len=...)``, megatron_xmod/hf/static_decode.py),
+which one CUDA graph with conditional nodes can capture: no host read in a replayed step.
+
+The references are the default decode path (the run-ahead over the per-sequence cache, itself checked
+against recomputation in test_hf_decode.py) and recomputation. Graph safety is proven on CPU with the
+emulated capture and replay of tests/graph_replay.py, extended with conditional nodes: the recorded
+step's ops are replayed without any Python module code, the emulator deciding each sparse layer's
+IF node from the replayed flag as the device would.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from generate import calibrate_routers  # noqa: E402
+from graph_replay import NotCapturable, record  # noqa: E402
+from hf_helpers import left_padded  # noqa: E402
+from test_hf_decode import PAD, VOCAB, cached, prompt, recomputed, routed_model  # noqa: E402
+
+from megatron_xmod.hf.cache import XModCache  # noqa: E402
+from megatron_xmod.hf.configuration_xmod import XModHFConfig  # noqa: E402
+from megatron_xmod.hf.modeling_xmod import XModForCausalLM  # noqa: E402
+from megatron_xmod.xmod.layout import layout_from_model_name  # noqa: E402
+
+
+@torch.no_grad()
+def static_cached(model, tokens, steps, max_cache_len=64):
+    """As test_hf_decode.cached, on a fixed-shape cache."""
+    cache = XModCache(model.config, max_cache_len=max_cache_len)
+    logits = [model(tokens, cache=cache).logits[:, -1]]
+    for _ in range(steps - 1):
+        tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+        logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])
+    tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+    return tokens, torch.stack(logits, 1), cache
+
+
+def moe_routed_model(seed=0):
+    """X-MoD with MoE MLPs (Top-k of 4 experts), routers calibrated to 1/K."""
+    layout = layout_from_model_name("D + S4*6 + D", family="xmod")
+    config = XModHFConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layout.num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, routing_family="xmod",
+        layer_kinds=["sparse" if layer.is_sparse else "dense" for layer in layout.layers],
+        layer_sparsity_k=[layer.sparsity_k for layer in layout.layers], layout=layout.notation,
+        num_experts=4, moe_intermediate_size=16, moe_router_topk=2)
+    torch.manual_seed(seed)
+    model = XModForCausalLM(config).eval()
+    calibrate_routers(model, torch.randint(0, PAD, (2, 64), generator=torch.Generator().manual_seed(seed)))
+    return model
+
+
+@pytest.mark.parametrize("family", ["xmod", "mod", "xmod-moe"])
+def test_fixed_shape_decode_equals_recomputation(family):
+    model = moe_routed_model() if family == "xmod-moe" else routed_model(family)
+    start = prompt()
+    want_tokens, want_logits = recomputed(model, start, 12)
+    tokens, logits, cache = static_cached(model, start, 12)
+    assert cache.static is not None and cache.static.steps == 11  # every decode step took the fixed shapes
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
+    _, _, default = cached(model, start, 12)
+    assert cache.entries() == default.entries()  # the same entries per layer as the per-sequence cache
+
+
+def test_generate_with_a_static_cache_equals_the_default_cache_on_a_left_padded_batch():
+    model = routed_model()
+    prompts = [prompt(1, 9, seed=5)[0], prompt(1, 4, seed=6)[0], prompt(1, 6, seed=7)[0]]
+    batch, mask = left_padded(prompts, PAD)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD, output_scores=True,
+                  return_dict_in_generate=True)
+    default = model.generate(batch, **kwargs)
+    fixed = model.generate(batch, cache_implementation="static", **kwargs)
+    assert isinstance(fixed.past_key_values, XModCache) and fixed.past_key_values.static is not None
+    assert fixed.past_key_values.static.max_cache_len == batch.shape[1] + 10
+    assert torch.equal(fixed.sequences, default.sequences)
+    torch.testing.assert_close(torch.stack(fixed.scores), torch.stack(default.scores), rtol=0, atol=1e-5)
+
+
+def _replayed_decode(model, tokens, steps):
+    """Greedy decode from ``tokens`` [b, n]: the prefill and the first step eagerly, then one recorded step
+    (the emulated capture) replayed for every further step. Returns (tokens, logits [b, steps, vocab],
+    state, recording)."""
+    b, n = tokens.shape
+    cache = XModCache(model.config, max_cache_len=n + steps + 1)
+    with torch.no_grad():
+        logits = [model(tokens, cache=cache).logits[:, -1]]
+        tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+        logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])
+    state = cache.static
+    saved = [t.clone() for t in state.buffers()]
+    recording = record(lambda: model.model.decode_static(state), branch_owner=state)
+    with torch.no_grad():  # a capture runs nothing: the state is as before it
+        for buffer, value in zip(state.buffers(), saved):
+            buffer.copy_(value)
+        for step in range(2, steps):
+            tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+            state.input_ids.copy_(tokens[:, -1:])
+            state.positions.fill_(n + step - 1)
+            logits.append(model.lm_head(recording.replay())[:, -1])
+    tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+    return tokens, torch.stack(logits, 1), state, recording
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_recorded_decode_step_replays_without_host_reads(batch):
+    """One recorded step (no host read: the recording refuses any) replayed for every later token gives
+    the default path's tokens, logits and cache entries; each sparse layer is one conditional node, and the
+    replays both ran and skipped layers (the device's decision, not a fixed pattern)."""
+    model = routed_model()
+    start = prompt(batch, 10, seed=11)
+    want_tokens, want_logits, want_cache = cached(model, start, 14)
+    tokens, logits, state, recording = _replayed_decode(model, start, 14)
+    sparse = sum(layer.sparse for layer in model.model.layers)
+    assert recording.conditionals() == sparse
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
+    assert state.entries() == want_cache.entries()
+    grown = [e for e, s in zip(state.entries(), state.sparse) if s]
+    assert 0 < sum(grown) and min(grown) < max(grown)
+
+
+def test_the_default_decode_step_cannot_be_captured():
+    """What the fixed-shape path is for: the default decode step reads the device to decide which layer
+    runs (the emulated capture refuses it)."""
+    model = routed_model()
+    start = prompt()
+    cache = XModCache(model.config)
+    with torch.no_grad():
+        token = model(start, cache=cache).logits[:, -1:].argmax(-1)
+    with pytest.raises(NotCapturable, match="host synchronisation"), torch.no_grad():
+        record(lambda: model(token, cache=cache))
+
+
+def test_fixed_shape_cache_refuses_what_it_cannot_do():
+    model = routed_model()
+    start = prompt(1, 10)
+    with pytest.raises(ValueError, match="max_cache_len: the tokens a sequence may reach"):
+        XModCache(model.config, max_cache_len=0)
+    with pytest.raises(ValueError, match="max_cache_len: the cache holds 12 tokens"):
+        static_cached(model, start, 4, max_cache_len=12)  # 10 + 3 decoded tokens
+    _, _, cache = static_cached(model, start, 3, max_cache_len=20)
+    for call in (lambda: cache.crop(-1), lambda: cache.batch_select_indices(torch.tensor([0])),
+                 lambda: cache.batch_repeat_interleave(2)):
+        with pytest.raises(ValueError, match="fixed-shape cache"):
+            call()
+    with pytest.raises(ValueError, match="inputs_embeds"), torch.no_grad():
+        model(inputs_embeds=model.model.embed_tokens(start[:, -1:]), cache=cache)
+    if not torch.cuda.is_available():
+        cache = XModCache(model.config, max_cache_len=20, graphed=True)
+        with pytest.raises(ValueError, match="graphed: CUDA-graph capture"), torch.no_grad():
+            model(start, cache=cache)
+            model(start[:, -1:], cache=cache)
