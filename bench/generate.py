@@ -207,9 +207,14 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                         del cache
                     del prefilled
                     model.model.decode_skips_unrouted = True
-                    if fixed_shape:
-                        _, token, cache = time_prefill(model, prompt, device, capacity)
-                        first, dec, generated = time_fixed_shape_decode(model, token, cache, new_tokens, device)
+                    if fixed_shape and not isinstance(outputs.get((name, "fixed")), Exception):
+                        try:  # a failed capture (the first GPU run of it) is a result, not the end of the run
+                            _, token, cache = time_prefill(model, prompt, device, capacity)
+                            first, dec, generated = time_fixed_shape_decode(model, token, cache, new_tokens, device)
+                        except Exception as error:  # noqa: BLE001
+                            outputs[name, "fixed"] = error
+                            log(f"[generate] fixed-shape decode of {name} failed: {error!r}")
+                            continue
                         times[name, "fixed"][0].append(first)
                         times[name, "fixed"][1].append(dec)
                         outputs[name, "fixed"] = (cache.nbytes(allocated=True)["total"], generated,
@@ -231,7 +236,9 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                     model.model.decode_skips_unrouted = False
                     row["syncs_per_token_before"] = syncs_per_token(model, prompt, min(8, new_tokens))
                     model.model.decode_skips_unrouted = True
-                if fixed_shape:
+                if fixed_shape and isinstance(outputs[name, "fixed"], Exception):
+                    row["fixed_error"] = repr(outputs[name, "fixed"])[:400]
+                elif fixed_shape:
                     allocated, fixed_generated, graphed = outputs[name, "fixed"]
                     first, dec = (statistics.median(t) for t in times[name, "fixed"])
                     row.update(fixed_decode_tok_s=batch * (new_tokens - 2) / dec, fixed_first_steps_s=first,
@@ -342,7 +349,7 @@ def render_markdown(meta, rows) -> str:
                    f"{r['decode_tok_s']:.1f} | {r.get('decode_vs_dense', 1):.2f} | "
                    f"{before} | {syncs} | {r['kv_cache_bytes'] / 1024:.0f} "
                    f"({r.get('kv_cache_allocated_bytes', r['kv_cache_bytes']) / 1024:.0f}) |")
-    fixed = [r for r in rows if "fixed_decode_tok_s" in r]
+    fixed = [r for r in rows if "fixed_decode_tok_s" in r or "fixed_error" in r]
     if fixed:
         out += ["", "Fixed-shape decode (`XModCache(max_cache_len=prompt + new tokens + 1)`, static_decode.py; "
                 "timed after its first two steps, which build the buffers and, on a GPU, capture the CUDA graph):", "",
@@ -350,6 +357,9 @@ def render_markdown(meta, rows) -> str:
                 "syncs/token | CUDA graph | same tokens | KV cache KiB allocated |",
                 "|---:|---:|---|---:|---:|---:|---:|---:|---|---|---:|"]
         for r in fixed:
+            if "fixed_error" in r:
+                out.append(f"| {r['batch']} | {r['prompt']} | {r['model']} | failed: {r['fixed_error']} |")
+                continue
             out.append(f"| {r['batch']} | {r['prompt']} | {r['model']} | {r['fixed_decode_tok_s']:.1f} | "
                        f"{r.get('fixed_vs_default', 1):.2f} | {r.get('fixed_vs_dense_fixed', 1):.2f} | "
                        f"{r['fixed_first_steps_s']:.2f} | {r['fixed_syncs_per_token']:.1f} | "

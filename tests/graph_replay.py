@@ -83,6 +83,7 @@ class _Recorder(TorchDispatchMode):
         self.produced: dict[int, tuple] = {}  # id(recorded tensor) -> storage key when produced
         self.keep: list = []  # strong references: ids stay unique while the recording lives
         self.by_storage: dict[tuple, torch.Tensor] = {}
+        self.outer: list = []  # (enclosing op list, flag) of each open conditional node
 
     def _check_aliases(self, tensors) -> list:
         aliases = []
@@ -117,18 +118,24 @@ class _Recorder(TorchDispatchMode):
         self.ops.append(_Op(func, args, kwargs, flat_out, aliases))
         return out
 
+    def begin_conditional(self, pred: torch.Tensor) -> None:
+        """The ops from here to :meth:`end_conditional` form a conditional node on ``pred`` (not read)."""
+        self.outer.append((self.ops, pred))
+        self.keep.append(pred)
+        self.ops = []
+
+    def end_conditional(self) -> None:
+        (outer, pred), child = self.outer.pop(), self.ops
+        self.ops = outer
+        self.ops.append(_Conditional(pred, child))
+
     def branch(self, pred: torch.Tensor, body: Callable[[], None]) -> None:
         """Record ``body()``'s ops as a conditional node on ``pred`` (not read)."""
-        outer, self.ops = self.ops, []
+        self.begin_conditional(pred)
         try:
             body()
         finally:
-            child, self.ops = self.ops, outer
-        self.keep.append(pred)
-        self.ops.append(_Conditional(pred, child))
-
-    def conditionals(self) -> int:
-        return sum(isinstance(op, _Conditional) for op in self.ops)
+            self.end_conditional()
 
 
 class Recording:
@@ -213,3 +220,48 @@ def zero_grads(params) -> None:
                 p.grad = torch.zeros_like(p)
             else:
                 p.grad.zero_()
+
+
+class EmulatedCUDAGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on CPU, with :func:`emulated_graph` for ``torch.cuda.graph``
+    (monkeypatched into ``torch.cuda`` by a test): a capture records the region instead, IF nodes
+    (``begin_capture_to_if_node`` / ``end_capture_to_conditional_node``) become conditional nodes, and
+    ``replay`` replays the recording. So the code that captures and replays a real graph runs here."""
+
+    captures = 0  # captures so far, every instance
+
+    def __init__(self):
+        self.recorder: _Recorder | None = None
+        self.recording: Recording | None = None
+        self.capture_error_mode: str | None = None
+
+    def begin_capture_to_if_node(self, pred: torch.Tensor) -> None:
+        self.recorder.begin_conditional(pred)
+
+    def end_capture_to_conditional_node(self) -> None:
+        self.recorder.end_conditional()
+
+    def replay(self) -> None:
+        self.recording.replay()
+
+
+def emulated_graph(state: Callable[[], list[torch.Tensor]]):
+    """A ``torch.cuda.graph`` for :class:`EmulatedCUDAGraph`. The recording runs the region's ops, which a
+    CUDA capture does not: ``state()`` lists the tensors that outlive the region, restored afterwards."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def graph(cuda_graph: EmulatedCUDAGraph, pool=None, stream=None, capture_error_mode: str = "global"):
+        saved = [t.clone() for t in state()]
+        cuda_graph.recorder, cuda_graph.capture_error_mode = _Recorder(), capture_error_mode
+        with _HostReads(), cuda_graph.recorder:
+            yield
+        if cuda_graph.recorder.outer:
+            raise NotCapturable("a conditional node was opened and not closed")
+        cuda_graph.recording = Recording(cuda_graph.recorder, {}, None)
+        EmulatedCUDAGraph.captures += 1
+        with torch.no_grad():
+            for tensor, value in zip(state(), saved):
+                tensor.copy_(value)
+
+    return graph

@@ -7,6 +7,8 @@ emulated capture and replay of tests/graph_replay.py, extended with conditional 
 step's ops are replayed without any Python module code, the emulator deciding each sparse layer's
 IF node from the replayed flag as the device would.
 """
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,10 +21,14 @@ from graph_replay import NotCapturable, record  # noqa: E402
 from hf_helpers import left_padded  # noqa: E402
 from test_hf_decode import PAD, VOCAB, cached, prompt, recomputed, routed_model  # noqa: E402
 
+from megatron_xmod.hf import region_attention as regions  # noqa: E402
 from megatron_xmod.hf.cache import XModCache  # noqa: E402
 from megatron_xmod.hf.configuration_xmod import XModHFConfig  # noqa: E402
 from megatron_xmod.hf.modeling_xmod import XModForCausalLM  # noqa: E402
 from megatron_xmod.xmod.layout import layout_from_model_name  # noqa: E402
+
+INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+needs_interp = pytest.mark.skipif(not INTERP, reason="runs inside test_region_attention_interpreter's subprocess")
 
 
 @torch.no_grad()
@@ -153,3 +159,119 @@ def test_fixed_shape_cache_refuses_what_it_cannot_do():
         with pytest.raises(ValueError, match="graphed: CUDA-graph capture"), torch.no_grad():
             model(start, cache=cache)
             model(start[:, -1:], cache=cache)
+
+
+def test_the_decode_state_captures_its_second_step_as_a_graph_and_replays_it(monkeypatch):
+    """StaticDecodeState's own capture code (what a GPU runs), against the emulated CUDA graph: the first
+    decode step runs eagerly, the second captures the step (a relaxed warm-up capture, then the graph
+    kept) and replays it, every later step only replays (no Python of the model runs), and the tokens,
+    logits and entries are the default path's."""
+    from graph_replay import EmulatedCUDAGraph, emulated_graph
+
+    model = routed_model()
+    start = prompt(2, 10, seed=12)
+    want_tokens, want_logits, want_cache = cached(model, start, 12)
+    cache = XModCache(model.config, max_cache_len=start.shape[1] + 12)
+    with torch.no_grad():
+        logits = [model(start, cache=cache).logits[:, -1]]
+        tokens = torch.cat([start, logits[-1].argmax(-1, keepdim=True)], dim=1)
+        logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])  # builds the state, eagerly
+    state = cache.static
+    assert state.graph is None and state.steps == 1
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedCUDAGraph)
+    monkeypatch.setattr(torch.cuda, "graph", emulated_graph(state.buffers))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(EmulatedCUDAGraph, "captures", 0)
+    state.graphed = True
+    steps_run = []
+    decode_static = model.model.decode_static
+    monkeypatch.setattr(model.model, "decode_static", lambda s: steps_run.append(1) or decode_static(s))
+    with torch.no_grad():
+        for _ in range(10):
+            tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+            logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])
+    tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+    assert EmulatedCUDAGraph.captures == 2 and state.graph.capture_error_mode == "global"
+    assert len(steps_run) == 2  # the two captures; the ten steps were replays
+    assert state.graph.recording.conditionals() == sum(layer.sparse for layer in model.model.layers)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(torch.stack(logits, 1), want_logits, rtol=0, atol=1e-5)
+    assert state.entries() == want_cache.entries()
+
+
+def region_case(seed=0, dtype=torch.float32):
+    """Queries of 3 sequences (4 heads, 2 KV heads, head_dim 24: not a power of two) over a flat buffer
+    whose regions hold 1, 70 (over one 64-slot block) and 5 entries, with room after each."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(3, 4, 1, 24, generator=gen).to(dtype)
+    keys, values = (torch.randn(1, 2, 120, 24, generator=gen).to(dtype) for _ in range(2))
+    starts, ends = torch.tensor([0, 10, 100]), torch.tensor([1, 80, 105])
+    return q, keys, values, starts, ends
+
+
+def test_region_attention_reference_attends_to_each_region_only():
+    """The torch path against a plain per-sequence softmax over each region's slots."""
+    q, keys, values, starts, ends = region_case()
+    out = regions.region_attention_torch(q, keys, values, starts, ends, 0.2)
+    for row in range(3):
+        k = keys[0, :, starts[row]:ends[row]].repeat_interleave(2, dim=0)  # [heads, n, d]
+        v = values[0, :, starts[row]:ends[row]].repeat_interleave(2, dim=0)
+        weights = torch.softmax(q[row, :, 0, None, :] @ k.transpose(1, 2) * 0.2, dim=-1)  # [heads, 1, n]
+        torch.testing.assert_close(out[row, :, 0], (weights @ v)[:, 0], rtol=0, atol=1e-6)
+
+
+def test_region_attention_backend_is_checked():
+    q, keys, values, starts, ends = region_case()
+    with pytest.raises(ValueError, match="backend: 'cuda' is not one of auto, torch, triton"):
+        regions.region_attention(q, keys, values, starts, ends, 0.2, backend="cuda")
+    if not INTERP and not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="backend: the Triton region attention needs a CUDA device"):
+            regions.region_attention(q, keys, values, starts, ends, 0.2, backend="triton")
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_interp_region_attention_matches_the_reference(dtype):
+    q, keys, values, starts, ends = region_case(dtype=dtype)
+    got = regions.region_attention_triton(q, keys, values, starts, ends, 0.2)
+    want = regions.region_attention_torch(q.float(), keys.float(), values.float(), starts, ends, 0.2)
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@needs_interp
+def test_triton_interp_fixed_shape_decode_through_the_kernel_equals_the_default_path(monkeypatch):
+    calls = []
+    kernel = regions.region_attention_triton
+    monkeypatch.setattr(regions, "region_attention_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    model = routed_model()
+    start = prompt(2, 10, seed=13)
+    want_tokens, want_logits, want_cache = cached(model, start, 8)
+    cache = XModCache(model.config, max_cache_len=start.shape[1] + 8)
+    with torch.no_grad():
+        logits = [model(start, cache=cache).logits[:, -1]]
+        tokens = torch.cat([start, logits[-1].argmax(-1, keepdim=True)], dim=1)
+        logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])
+        assert not calls  # "auto" on a CPU: the torch path
+        cache.static.attention_backend = "triton"
+        for _ in range(6):
+            tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+            logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])
+    tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+    assert calls  # the kernel ran for the sparse layers that routed a token
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(torch.stack(logits, 1), want_logits, rtol=0, atol=1e-5)
+    assert cache.static.entries() == want_cache.entries()
+
+
+def test_region_attention_interpreter():
+    """Runs this file's ``triton_interp_`` tests under TRITON_INTERPRET=1 (set before Triton defines kernels)."""
+    pytest.importorskip("triton")
+    if INTERP:
+        pytest.skip("already inside the interpreter run")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton_interp_"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert "3 passed" in last and "skipped" not in last, last

@@ -168,8 +168,7 @@ class XModAttention(nn.Module):
         """A fixed-shape decode step's attention (``x`` ``[b, 1, h]``): appends this step's key and value to
         ``state``'s buffers of this layer and attends over them, masked (static_decode.py)."""
         b = x.shape[0]
-        out = state.attention(self.layer_idx, *self.project(x, rope), scale=1.0 / math.sqrt(self.head_dim),
-                              enable_gqa=self.heads != self.groups)
+        out = state.attention(self.layer_idx, *self.project(x, rope), scale=1.0 / math.sqrt(self.head_dim))
         return self.o_proj(out.transpose(1, 2).reshape(b, 1, self.heads * self.head_dim))
 
     def _attend(self, q, k, v, valid, positions, cache, documents=None, rows=None, causal=False):

@@ -51,6 +51,7 @@ EXPORTED_FILES = {
     "modeling_xmod.py": _PACKAGE / "hf" / "modeling_xmod.py",
     "cache.py": _PACKAGE / "hf" / "cache.py",
     "static_decode.py": _PACKAGE / "hf" / "static_decode.py",
+    "region_attention.py": _PACKAGE / "hf" / "region_attention.py",
     "routing.py": _PACKAGE / "xmod" / "routing.py",
     "moe_scores.py": _PACKAGE / "moe" / "scores.py",
 }

@@ -26,9 +26,10 @@ its next routed step. Eagerly the branch is a Python ``if`` on ``any(routed)`` (
 layer, free on a CPU); under CUDA-graph capture it is a conditional IF node, so the device skips a
 layer that routes no token and a replayed step makes no host read at all.
 
-Attention reads a layer's whole buffer with a mask, as transformers' static cache does: a dense layer's
-columns past ``column``; in a sparse layer the batch's queries attend together over the flat buffer,
-each masked to its own region's entries, so the layer's keys and values are read once for the batch.
+Attention: a dense layer's reads its whole buffer with a mask (the columns past ``column``), as
+transformers' static cache does; a sparse layer's reads each sequence's region up to its entries on a
+GPU (region_attention.py's Triton kernel, whose loop bounds live on the device), and elsewhere the
+batch's queries attend together over the whole flat buffer, each masked to its own region.
 """
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ from collections.abc import Callable
 from typing import Optional
 
 import torch
+
+try:  # an exported folder: the verbatim copy next to this file
+    from .region_attention import region_attention
+except ImportError:  # inside the megatron_xmod package
+    from megatron_xmod.hf.region_attention import region_attention
 
 
 def conditional_nodes_available() -> bool:
@@ -80,6 +86,7 @@ class StaticDecodeState:
         if self.graphed and not conditional_nodes_available():
             raise ValueError("graphed: CUDA-graph capture of a decode step needs a GPU and a torch with conditional "
                              "nodes (torch.cuda.CUDAGraph.begin_capture_to_if_node); pass graphed=False")
+        self.attention_backend = "auto"  # of the sparse layers' region attention: auto, torch or triton
         self.graph = None
         self._capturing = None  # the CUDA graph being captured, whose IF nodes branch() opens
 
@@ -117,28 +124,25 @@ class StaticDecodeState:
         return fixed + [t for layer in self.layers for t in layer] + ([] if self.hidden is None else [self.hidden])
 
     # -- what a step calls ----------------------------------------------------------------------------
-    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa) -> torch.Tensor:
+    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Append this step's keys and values ``[batch, kv_heads, 1, head_dim]`` to layer ``layer_idx``'s
-        buffers and attend: each query ``[batch, heads, 1, head_dim]`` to its sequence's entries and its own
-        (``sdpa``: scaled_dot_product_attention's scale and enable_gqa). Returns ``[batch, heads, 1, head_dim]``."""
+        buffers and attend: each query ``[batch, heads, 1, head_dim]`` to its sequence's entries and its own.
+        Returns ``[batch, heads, 1, head_dim]``. A sparse layer's regions go through
+        :func:`~region_attention.region_attention` (``attention_backend``)."""
         if self.sparse[layer_idx]:
             key_buffer, value_buffer, lengths, starts = self.layers[layer_idx]
             at = starts + lengths  # each sequence's next slot
             key_buffer[0].index_copy_(1, at, k[:, :, 0].transpose(0, 1))
             value_buffer[0].index_copy_(1, at, v[:, :, 0].transpose(0, 1))
-            slots = torch.arange(key_buffer.shape[2], device=at.device)
-            allowed = (slots[None, :] >= starts[:, None]) & (slots[None, :] <= at[:, None])  # [batch, slots]
-            # the batch's queries as one sequence of queries over the flat buffer, read once
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 2), key_buffer, value_buffer, attn_mask=allowed[None, None], **sdpa)
-            return out.transpose(0, 2)
+            return region_attention(q, key_buffer, value_buffer, starts, at + 1, scale, self.attention_backend)
         key_buffer, value_buffer, key_valid = self.layers[layer_idx]
         key_buffer.index_copy_(2, self.column, k)
         value_buffer.index_copy_(2, self.column, v)
         key_valid.index_copy_(1, self.column, self.valid)
         allowed = key_valid.index_fill(1, self.column, True)  # a padding token attends to itself
         return torch.nn.functional.scaled_dot_product_attention(q, key_buffer, value_buffer,
-                                                                attn_mask=allowed[:, None, None, :], **sdpa)
+                                                                attn_mask=allowed[:, None, None, :], scale=scale,
+                                                                enable_gqa=q.shape[1] != key_buffer.shape[1])
 
     def advance_sparse(self, layer_idx: int, routed: torch.Tensor) -> None:
         """Keep this step's entry of layer ``layer_idx`` for the sequences that routed it (``routed`` ``[batch, 1]``)."""
