@@ -45,8 +45,9 @@ def recomputed(model, tokens, steps):
 
 
 @torch.no_grad()
-def cached(model, tokens, steps):
-    cache = XModCache(model.config)
+def cached(model, tokens, steps, cache=None):
+    """Greedy tokens, each step's logits and the cache (None: a new XModCache), decoding with the cache."""
+    cache = XModCache(model.config) if cache is None else cache
     logits = [model(tokens, cache=cache).logits[:, -1]]
     for _ in range(steps - 1):
         tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)

@@ -31,16 +31,29 @@ INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 needs_interp = pytest.mark.skipif(not INTERP, reason="runs inside test_region_attention_interpreter's subprocess")
 
 
-@torch.no_grad()
 def static_cached(model, tokens, steps, max_cache_len=64):
     """As test_hf_decode.cached, on a fixed-shape cache."""
-    cache = XModCache(model.config, max_cache_len=max_cache_len)
-    logits = [model(tokens, cache=cache).logits[:, -1]]
-    for _ in range(steps - 1):
+    return cached(model, tokens, steps, XModCache(model.config, max_cache_len=max_cache_len))
+
+
+@torch.no_grad()
+def first_fixed_step(model, start, room):
+    """The prefill and the first decode step (eager: it builds the state) on a fixed-shape cache of
+    ``room`` tokens past the prompt. Returns (cache, tokens so far, logits of each step so far)."""
+    cache = XModCache(model.config, max_cache_len=start.shape[1] + room)
+    logits = [model(start, cache=cache).logits[:, -1]]
+    tokens = torch.cat([start, logits[-1].argmax(-1, keepdim=True)], dim=1)
+    logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])
+    return cache, tokens, logits
+
+
+@torch.no_grad()
+def greedy_steps(model, cache, tokens, logits, steps):
+    """``steps`` more greedy decode steps through the model; returns the final tokens and logits [b, n, vocab]."""
+    for _ in range(steps):
         tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
         logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])
-    tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
-    return tokens, torch.stack(logits, 1), cache
+    return torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1), torch.stack(logits, 1)
 
 
 def moe_routed_model(seed=0):
@@ -89,12 +102,8 @@ def _replayed_decode(model, tokens, steps):
     """Greedy decode from ``tokens`` [b, n]: the prefill and the first step eagerly, then one recorded step
     (the emulated capture) replayed for every further step. Returns (tokens, logits [b, steps, vocab],
     state, recording)."""
-    b, n = tokens.shape
-    cache = XModCache(model.config, max_cache_len=n + steps + 1)
-    with torch.no_grad():
-        logits = [model(tokens, cache=cache).logits[:, -1]]
-        tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
-        logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])
+    n = tokens.shape[1]
+    cache, tokens, logits = first_fixed_step(model, tokens, steps + 1)
     state = cache.static
     saved = [t.clone() for t in state.buffers()]
     recording = record(lambda: model.model.decode_static(state), branch_owner=state)
@@ -171,11 +180,7 @@ def test_the_decode_state_captures_its_second_step_as_a_graph_and_replays_it(mon
     model = routed_model()
     start = prompt(2, 10, seed=12)
     want_tokens, want_logits, want_cache = cached(model, start, 12)
-    cache = XModCache(model.config, max_cache_len=start.shape[1] + 12)
-    with torch.no_grad():
-        logits = [model(start, cache=cache).logits[:, -1]]
-        tokens = torch.cat([start, logits[-1].argmax(-1, keepdim=True)], dim=1)
-        logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])  # builds the state, eagerly
+    cache, tokens, logits = first_fixed_step(model, start, 12)
     state = cache.static
     assert state.graph is None and state.steps == 1
     monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedCUDAGraph)
@@ -186,16 +191,12 @@ def test_the_decode_state_captures_its_second_step_as_a_graph_and_replays_it(mon
     steps_run = []
     decode_static = model.model.decode_static
     monkeypatch.setattr(model.model, "decode_static", lambda s: steps_run.append(1) or decode_static(s))
-    with torch.no_grad():
-        for _ in range(10):
-            tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
-            logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])
-    tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+    tokens, logits = greedy_steps(model, cache, tokens, logits, 10)
     assert EmulatedCUDAGraph.captures == 2 and state.graph.capture_error_mode == "global"
     assert len(steps_run) == 2  # the two captures; the ten steps were replays
     assert state.graph.recording.conditionals() == sum(layer.sparse for layer in model.model.layers)
     assert torch.equal(tokens, want_tokens)
-    torch.testing.assert_close(torch.stack(logits, 1), want_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
     assert state.entries() == want_cache.entries()
 
 
@@ -246,20 +247,13 @@ def test_triton_interp_fixed_shape_decode_through_the_kernel_equals_the_default_
     model = routed_model()
     start = prompt(2, 10, seed=13)
     want_tokens, want_logits, want_cache = cached(model, start, 8)
-    cache = XModCache(model.config, max_cache_len=start.shape[1] + 8)
-    with torch.no_grad():
-        logits = [model(start, cache=cache).logits[:, -1]]
-        tokens = torch.cat([start, logits[-1].argmax(-1, keepdim=True)], dim=1)
-        logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])
-        assert not calls  # "auto" on a CPU: the torch path
-        cache.static.attention_backend = "triton"
-        for _ in range(6):
-            tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
-            logits.append(model(tokens[:, -1:], cache=cache).logits[:, -1])
-    tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+    cache, tokens, logits = first_fixed_step(model, start, 8)
+    assert not calls  # "auto" on a CPU: the torch path
+    cache.static.attention_backend = "triton"
+    tokens, logits = greedy_steps(model, cache, tokens, logits, 6)
     assert calls  # the kernel ran for the sparse layers that routed a token
     assert torch.equal(tokens, want_tokens)
-    torch.testing.assert_close(torch.stack(logits, 1), want_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
     assert cache.static.entries() == want_cache.entries()
 
 
