@@ -32,7 +32,14 @@ cd "$ROOT"
 
 STEPS=(env wheels build tests memcheck racecheck permute ops host generate throughput)
 declare -A CAP=([env]=8 [wheels]=30 [build]=75 [tests]=70 [memcheck]=20 [racecheck]=20 [permute]=30 [ops]=15 [host]=65 [generate]=55 [throughput]=150)
-WHEEL_PINS=(megatron-core==0.19.2 numpy==2.5.5 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0)
+WHEEL_PINS=(megatron-core==0.19.2 numpy==2.5.5 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0
+  # transformers and what it needs beyond torch's own dependencies (filelock, fsspec, typing-extensions), for
+  # the generate step: pip's resolution of transformers==5.24.0 for CPython 3.12 manylinux
+  transformers==5.24.0 huggingface-hub==2.4.0 hf-xet==1.8.0 tokenizers==0.23.3 safetensors==0.8.0
+  regex==2026.12.2 pyyaml==6.0.4 tqdm==4.70.1 click==8.5.1 typer==0.29.2 rich==15.0.0 markdown-it-py==4.3.0
+  mdurl==0.1.2 shellingham==1.5.4 annotated-doc==0.0.7 httpx2==2.17.0 httpcore2==2.17.0 h11==0.16.0
+  anyio==4.16.0 idna==3.21 truststore==0.10.5 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+  typing-inspection==0.4.5)
 WHEELS="${WHEELS:-$ROOT/runs/gpu_wheels}"
 
 MODE=gpu
@@ -93,8 +100,8 @@ env_report() {
 }
 
 install_wheels() {
-  if "$PY" -c "import megatron.core, pytest, numpy" 2>/dev/null; then
-    echo "megatron-core, pytest and numpy already importable"; return 0
+  if "$PY" -c "import megatron.core, pytest, numpy, transformers" 2>/dev/null; then
+    echo "megatron-core, pytest, numpy and transformers already importable"; return 0
   fi
   [ -d "$WHEELS" ] || { echo "no wheel folder $WHEELS (make it with --fetch-wheels and carry it)"; return 1; }
   ls -l "$WHEELS"

@@ -46,7 +46,9 @@ def triton_usable(device: torch.device) -> bool:
 
 
 if triton is not None:
-    @triton.jit
+    # ``slots`` differs from layer to layer: a specialisation on it would compile a variant per buffer size,
+    # some of them first during a CUDA-graph capture
+    @triton.jit(do_not_specialize=["slots"])
     def _region_attention_kernel(q_ptr, k_ptr, v_ptr, starts_ptr, ends_ptr, out_ptr, scale, slots, heads,
                                  group, head_dim, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0)
