@@ -5,7 +5,8 @@
 #   wheels    pip install --no-index --find-links $WHEELS (megatron-core, numpy, pytest and its deps)
 #   build     csrc/ -> megatron_xmod/_permute_cuda (setup.py build_ext --inplace)
 #   tests     GPU tests: CUDA and native Triton kernels vs the torch reference (incl. L=32768, b=8,
-#             h=8192 bf16), the fused routing step, its CUDA-graph capture  -> $OUT/tests.xml
+#             h=8192 bf16), the fused routing step, its CUDA-graph capture, the HF fixed-shape decode's
+#             CUDA graph (no host read in a replayed step, the default path's tokens)  -> $OUT/tests.xml
 #   memcheck  compute-sanitizer --tool memcheck on a small case (bench/permute.py --sanitize-case)
 #   racecheck compute-sanitizer --tool racecheck on the same case
 #   permute   bench/permute.py: kernel-only timing vs copy, bf16/fp16/fp32  -> $OUT/permute_gpu.*
@@ -156,7 +157,8 @@ else
 fi
 step build build_ext
 if [ "$MODE" = gpu ]; then
-  step tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_permute.py tests/test_kernels.py -k "gpu_" \
+  step tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_permute.py tests/test_kernels.py \
+    tests/test_hf_static_decode.py -k "gpu_" \
     --junitxml="$OUT/tests.xml"
 else
   step tests env TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py \

@@ -269,3 +269,35 @@ def test_region_attention_interpreter():
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert "3 passed" in last and "skipped" not in last, last
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh runs it)")
+def test_gpu_fixed_shape_decode_replays_one_cuda_graph_without_host_reads():
+    """On a GPU: the second decode step captures the step as one CUDA graph (IF nodes where torch has
+    them), later steps replay it with no host read (counted), and the tokens, logits and entries are the
+    default path's; the sparse layers' attention runs the Triton region kernel."""
+    from sync_counter import SyncCounter
+
+    from megatron_xmod.hf.static_decode import conditional_nodes_available
+
+    if not conditional_nodes_available():
+        pytest.skip("this torch cannot capture CUDA-graph conditional nodes (CUDA >= 12.4 needed)")
+    calls = []
+    kernel = regions.region_attention_triton
+    model = routed_model().cuda()
+    start = prompt(3, 12, seed=14).cuda()
+    want_tokens, want_logits, want_cache = cached(model, start, 16)
+    cache, tokens, logits = first_fixed_step(model, start, 16)
+    tokens, logits = greedy_steps(model, cache, tokens, logits, 2)  # the second step captures
+    assert cache.static.graph is not None
+    with SyncCounter() as syncs:
+        tokens, logits = greedy_steps(model, cache, tokens[:, :-1], list(logits.unbind(1)), 12)
+    torch.cuda.synchronize()
+    assert syncs.count == 0, syncs.summary()
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-4)
+    assert cache.static.entries() == want_cache.entries()
+    with pytest.MonkeyPatch.context() as patch:  # a fresh state: the kernel ran inside the captured step
+        patch.setattr(regions, "region_attention_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+        static_cached(model, start, 4)
+    assert calls
