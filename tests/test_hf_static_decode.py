@@ -93,7 +93,7 @@ def test_generate_with_a_static_cache_equals_the_default_cache_on_a_left_padded_
     default = model.generate(batch, **kwargs)
     fixed = model.generate(batch, cache_implementation="static", **kwargs)
     assert isinstance(fixed.past_key_values, XModCache) and fixed.past_key_values.static is not None
-    assert fixed.past_key_values.static.max_cache_len == batch.shape[1] + 10
+    assert fixed.past_key_values.static.max_cache_len == batch.shape[1] + 10 - 1  # the last token is never fed
     assert torch.equal(fixed.sequences, default.sequences)
     torch.testing.assert_close(torch.stack(fixed.scores), torch.stack(default.scores), rtol=0, atol=1e-5)
 
@@ -163,11 +163,20 @@ def test_fixed_shape_cache_refuses_what_it_cannot_do():
             call()
     with pytest.raises(ValueError, match="inputs_embeds"), torch.no_grad():
         model(inputs_embeds=model.model.embed_tokens(start[:, -1:]), cache=cache)
-    if not torch.cuda.is_available():
-        cache = XModCache(model.config, max_cache_len=20, graphed=True)
-        with pytest.raises(ValueError, match="graphed: CUDA-graph capture"), torch.no_grad():
-            model(start, cache=cache)
-            model(start[:, -1:], cache=cache)
+    # a pass of several tokens after the fixed-shape steps began (a second prompt, an assisted draft) would
+    # attend to nothing it cached: refused, the state untouched
+    entries = cache.entries()
+    with pytest.raises(ValueError, match="cache: a fixed-shape cache .* got 3 tokens"), torch.no_grad():
+        model(start[:, :3], cache=cache)
+    assert cache.entries() == entries
+    with pytest.raises(ValueError, match="cache_implementation: 'static' .* beam_search needs the default"):
+        model.generate(start, max_new_tokens=3, num_beams=2, do_sample=False, pad_token_id=PAD,
+                       cache_implementation="static")
+    cache = XModCache(model.config, max_cache_len=20, graphed=True)  # a model on the CPU
+    with pytest.raises(ValueError, match="graphed: CUDA-graph capture of a decode step needs the model on one GPU"), \
+            torch.no_grad():
+        model(start, cache=cache)
+        model(start[:, -1:], cache=cache)
 
 
 def test_the_decode_state_captures_its_second_step_as_a_graph_and_replays_it(monkeypatch):
@@ -185,7 +194,6 @@ def test_the_decode_state_captures_its_second_step_as_a_graph_and_replays_it(mon
     assert state.graph is None and state.steps == 1
     monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedCUDAGraph)
     monkeypatch.setattr(torch.cuda, "graph", emulated_graph(state.buffers))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(EmulatedCUDAGraph, "captures", 0)
     state.graphed = True
     steps_run = []

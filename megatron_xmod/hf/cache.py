@@ -444,13 +444,15 @@ class XModCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, valid=None, positions=None, rows=None,
                *args, **kwargs):
+        self._refuse_when_static("update")
         return self.layers[layer_idx].update(key_states, value_states, valid, positions, rows, self.sequences)
 
-    def static_state(self) -> StaticDecodeState:
+    def static_state(self, one_device: bool = True) -> StaticDecodeState:
         """The fixed-shape decode buffers (``max_cache_len``), built from the entries so far at the first
-        call; the per-layer caches are emptied then (their entries live in the buffers)."""
+        call; the per-layer caches are emptied then (their entries live in the buffers). ``one_device``: the
+        model's parameters are on one device (a CUDA graph captures one)."""
         if self.static is None:
-            self.static = StaticDecodeState(self, self.max_cache_len, self.graphed)
+            self.static = StaticDecodeState(self, self.max_cache_len, self.graphed, one_device)
             for layer in self.layers:
                 layer.reset()
         return self.static

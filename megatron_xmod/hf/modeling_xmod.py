@@ -548,11 +548,16 @@ class XModModel(XModPreTrainedModel):
             if documents is not None:  # several documents in a row: scored one by one, nothing to decode from
                 cache, documents = None, documents.expand(b, n)
         position_ids = position_ids.expand(b, n)
+        if cache is not None and cache.static is not None and not (n == 1 and rule == "threshold"):
+            raise ValueError("cache: a fixed-shape cache (max_cache_len) decodes one token a step with the threshold "
+                             f"rule after its prefill, got {n} tokens ({rule}); start a new XModCache for a new prompt, "
+                             "or use one without max_cache_len (assisted decoding, several tokens a pass)")
         if cache is not None and cache.max_cache_len is not None and n == 1 and past > 0 and rule == "threshold":
             if input_ids is None:
                 raise ValueError("inputs_embeds: a fixed-shape decode step (XModCache(max_cache_len=...)) takes "
                                  "input_ids; decode with a cache without max_cache_len to pass embeddings")
-            hidden = cache.static_state().step(self.decode_static, input_ids, position_ids, valid)
+            state = cache.static or cache.static_state(one_device=len({p.device for p in self.parameters()}) == 1)
+            hidden = state.step(self.decode_static, input_ids, position_ids, valid)
             cache.advance(1)
             return hidden.clone(), cache
         if cache is not None:
@@ -711,11 +716,19 @@ class XModForCausalLM(XModPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """``generate`` starts with an XModCache (its default, transformers' DynamicCache, cannot hold a sparse
-        layer's entries): assisted decoding needs the cache before the first pass, to crop rejected drafts."""
+        layer's entries): assisted decoding needs the cache before the first pass, to crop rejected drafts.
+        ``cache_implementation="static"``: the fixed-shape decode (static_decode.py), for greedy search and
+        sampling, sized by ``generate``'s ``max_cache_length`` (the tokens ever fed to the model)."""
         if model_kwargs.get(_CACHE_FIELD) is None and generation_config.use_cache is not False:
             implementation = getattr(generation_config, "cache_implementation", None)
-            if implementation == "static":  # fixed-shape decode steps (static_decode.py)
-                model_kwargs[_CACHE_FIELD] = XModCache(self.config, max_cache_len=generation_config.max_length)
+            if implementation == "static":
+                mode = kwargs.get("generation_mode", args[0] if args else None)
+                if mode is not None and str(getattr(mode, "value", mode)) not in ("greedy_search", "sample"):
+                    raise ValueError(f"cache_implementation: 'static' (the fixed-shape decode) serves greedy search "
+                                     f"and sampling; {getattr(mode, 'value', mode)} needs the default XModCache: "
+                                     "drop cache_implementation")
+                length = kwargs.get("max_cache_length", args[2] if len(args) > 2 else generation_config.max_length)
+                model_kwargs[_CACHE_FIELD] = XModCache(self.config, max_cache_len=int(length))
                 return None
             if implementation is not None:
                 warnings.warn(f"cache_implementation: a routed model generates with its XModCache (or, with "

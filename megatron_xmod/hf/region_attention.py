@@ -59,7 +59,7 @@ if triton is not None:
         query = tl.load(q_ptr + (row * heads + head) * head_dim + dims, mask=in_dim, other=0.0).to(tl.float32)
         start = tl.load(starts_ptr + row)
         end = tl.load(ends_ptr + row)
-        base = kv_head * slots * head_dim
+        base = kv_head.to(tl.int64) * slots * head_dim  # past 2^31 elements at long contexts and large batches
         best = float("-inf")
         total = 0.0
         acc = tl.zeros((BLOCK_D,), tl.float32)

@@ -33,6 +33,7 @@ batch's queries attend together over the whole flat buffer, each masked to its o
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Optional
 
@@ -44,16 +45,50 @@ except ImportError:  # inside the megatron_xmod package
     from megatron_xmod.hf.region_attention import region_attention
 
 
-def conditional_nodes_available() -> bool:
-    """CUDA graphs with IF nodes (CUDA >= 12.4 and a torch that captures them)."""
-    return torch.cuda.is_available() and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+_PROBED: dict = {}  # CUDA device -> whether a conditional node captured and replayed correctly there
+
+
+def conditional_nodes_available(device: Optional[torch.device] = None) -> bool:
+    """CUDA graphs with IF nodes work on ``device`` (None: the current CUDA device): not ROCm, a torch that
+    captures them, and a driver and CUDA (>= 12.4) that run them: one tiny capture, replayed with the flag
+    false and true, probed once a device."""
+    if (not torch.cuda.is_available() or torch.version.hip is not None
+            or not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")):
+        return False
+    if device is None or device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _PROBED:
+        _PROBED[device] = _conditional_node_works(device)
+    return _PROBED[device]
+
+
+def _conditional_node_works(device: torch.device) -> bool:
+    try:
+        with torch.cuda.device(device):
+            flag = torch.zeros((), dtype=torch.bool, device=device)
+            counter = torch.zeros(1, device=device)
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize(device)
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
+                graph.begin_capture_to_if_node(flag)
+                try:
+                    counter.add_(1)
+                finally:
+                    graph.end_capture_to_conditional_node()
+            graph.replay()  # flag false: the body is skipped
+            flag.fill_(True)
+            graph.replay()
+            torch.cuda.synchronize(device)
+            return float(counter) == 1.0
+    except Exception:  # noqa: BLE001 (any failure means: decode eagerly)
+        return False
 
 
 class StaticDecodeState:
     """The buffers of fixed-shape decode steps for one batch (module docstring), built from a prefilled
     :class:`~cache.XModCache`; ``max_cache_len``: the tokens a sequence may reach, prompt included."""
 
-    def __init__(self, cache, max_cache_len: int, graphed: Optional[bool] = None):
+    def __init__(self, cache, max_cache_len: int, graphed: Optional[bool] = None, one_device: bool = True):
         filled = [layer for layer in cache.layers if layer.is_initialized]
         if not filled:
             raise ValueError("cache: a fixed-shape decode starts from a prefilled cache; run the prompt through the "
@@ -82,10 +117,12 @@ class StaticDecodeState:
         self.valid = torch.ones(self.batch, 1, dtype=torch.bool, device=self.device)
         self.hidden: Optional[torch.Tensor] = None  # [batch, 1, hidden], allocated by the first step
         self.steps = 0
-        self.graphed = conditional_nodes_available() and self.device.type == "cuda" if graphed is None else graphed
-        if self.graphed and not conditional_nodes_available():
-            raise ValueError("graphed: CUDA-graph capture of a decode step needs a GPU and a torch with conditional "
-                             "nodes (torch.cuda.CUDAGraph.begin_capture_to_if_node); pass graphed=False")
+        capturable = self.device.type == "cuda" and one_device and conditional_nodes_available(self.device)
+        self.graphed = capturable if graphed is None else graphed
+        if self.graphed and not capturable:
+            raise ValueError("graphed: CUDA-graph capture of a decode step needs the model on one GPU whose torch, "
+                             "driver and CUDA (>= 12.4) run conditional nodes "
+                             "(torch.cuda.CUDAGraph.begin_capture_to_if_node); pass graphed=False")
         self.attention_backend = "auto"  # of the sparse layers' region attention: auto, torch or triton
         self.graph = None
         self._capturing = None  # the CUDA graph being captured, whose IF nodes branch() opens
@@ -161,6 +198,7 @@ class StaticDecodeState:
             body()
 
     # -- running steps --------------------------------------------------------------------------------
+    @torch.no_grad()
     def step(self, run: Callable[[StaticDecodeState], torch.Tensor], input_ids: torch.Tensor,
              positions: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
         """One decode step: ``run(self)`` computes it from the input buffers and returns the final hidden
@@ -178,7 +216,8 @@ class StaticDecodeState:
         if self.graph is None and self.graphed and self.steps >= 1:
             self._capture(run)
         if self.graph is not None:
-            self.graph.replay()
+            with self._on_device():
+                self.graph.replay()
         else:
             hidden = run(self)
             if self.hidden is None:
@@ -195,16 +234,25 @@ class StaticDecodeState:
         def body():
             self.hidden.copy_(run(self))
 
-        torch.cuda.synchronize()
-        for mode in ("relaxed", "global"):
-            graph = torch.cuda.CUDAGraph()
-            self._capturing = graph
-            try:
-                with torch.cuda.graph(graph, capture_error_mode=mode):
-                    body()
-            finally:
-                self._capturing = None
+        with self._on_device():
+            # a stream of the state's device: torch.cuda.graph's default capture stream is created on
+            # whichever device was current when it was first used
+            stream = None
+            if self.device.type == "cuda":
+                stream = torch.cuda.Stream(self.device)
+                torch.cuda.synchronize(self.device)
+            for mode in ("relaxed", "global"):
+                graph = torch.cuda.CUDAGraph()
+                self._capturing = graph
+                try:
+                    with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
+                        body()
+                finally:
+                    self._capturing = None
         self.graph = graph
+
+    def _on_device(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def nbytes(self, valid_only: bool = False, allocated: bool = False) -> dict:
         """As :meth:`~cache.XModCache.nbytes` (``valid_only`` reads the device)."""
