@@ -4,6 +4,7 @@ A4K8 / A3K16 at the same activated depth, with the KV-cache bytes and the host s
     .venv/bin/python bench/generate.py                       # CPU: hidden 512, prompts 256 and 2048, batch 1 and 8
     .venv/bin/python bench/generate.py --device cuda         # the same on a GPU
     .venv/bin/python bench/generate.py --quick               # seconds: hidden 64, prompt 32, 8 new tokens
+    .venv/bin/python bench/generate.py --device cuda --fixed-shape   # also the fixed-shape decode (CUDA graph)
     .venv/bin/python bench/generate.py --prompts --long-contexts 2048 8192 32768 --new-tokens 16 --repeats 1 \
         --tag _long                                          # decode only, from synthetic caches of long contexts
 
@@ -19,6 +20,12 @@ asks for). With ``--per-layer-decode`` each repeat also decodes from a copy of t
 with ``XModModel.decode_skips_unrouted = False`` ("decode before"): every sparse layer runs its
 router and selection at every step and reads the selection back from the device (the decode path
 before the run-ahead of ``XModModel._decode_sparse_run``).
+
+With ``--fixed-shape`` each model also decodes from its own prefill into a fixed-shape cache
+(``XModCache(max_cache_len=...)``, megatron_xmod/hf/static_decode.py): timed after its first two
+steps (the first builds the buffers, the second captures the CUDA graph on a GPU), with the seconds
+of those two, whether a graph was captured, its host syncs per token and whether it decoded the
+default path's tokens; a failure (e.g. the first capture on a new GPU stack) is recorded in the row.
 
 Writes ``generate_<machine>_<date>.json`` / ``.md`` and ``generate_<machine>_<date>.png`` (decode
 tokens/s against prompt length) under ``--out``.
