@@ -84,6 +84,19 @@ def test_fixed_shape_decode_equals_recomputation(family):
     assert cache.entries() == default.entries()  # the same entries per layer as the per-sequence cache
 
 
+def test_fixed_shape_decode_of_a_batch_whose_first_layer_is_sparse():
+    """The batch size comes from the cache's entries whatever kind of layer comes first (a sparse layer's
+    buffer is one flat region buffer, batch 1 in its shape)."""
+    model = routed_model(layout="S4*6 + D + S4*4")
+    start = prompt(3, 10, seed=15)
+    want_tokens, want_logits, want_cache = cached(model, start, 8)
+    tokens, logits, cache = static_cached(model, start, 8)
+    assert cache.static.batch == 3 and cache.static.input_ids.shape == (3, 1)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
+    assert cache.entries() == want_cache.entries()
+
+
 def test_generate_with_a_static_cache_equals_the_default_cache_on_a_left_padded_batch():
     model = routed_model()
     prompts = [prompt(1, 9, seed=5)[0], prompt(1, 4, seed=6)[0], prompt(1, 6, seed=7)[0]]

@@ -109,8 +109,7 @@ class StaticDecodeState:
         for layer in cache.layers:
             self.layers.append(self._sparse_buffers(layer, entry, max_cache_len - seen) if layer.sparse
                                else self._dense_buffers(layer, max_cache_len))
-        keys = self.layers[0][0]
-        self.batch, self.device = keys.shape[0], keys.device
+        self.batch, self.device = entry[0], entry[5]
         self.column = torch.full((1,), seen, dtype=torch.long, device=self.device)
         self.input_ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
