@@ -137,14 +137,17 @@ class StaticDecodeState:
 
     @staticmethod
     def _sparse_buffers(layer, entry, headroom: int) -> tuple[torch.Tensor, ...]:
-        """A sparse layer's valid entries, each sequence's packed at the start of its region (one host read a
-        sequence, once); ``entry``: (batch, kv heads, head dim, key dtype, value dtype, device)."""
+        """A sparse layer's valid entries, each sequence's packed at the start of its region (a sequence whose
+        entries are not all valid: one host read, once); ``entry``: (batch, kv heads, head dim, key dtype,
+        value dtype, device)."""
         batch, heads, dim, key_dtype, value_dtype, device = entry
         kept = []
         for row in range(layer.batch if layer.is_initialized else 0):
             keys, values, valid, _ = layer.sequence(row)
-            keep = valid.nonzero().flatten()
-            kept.append((keys.index_select(1, keep), values.index_select(1, keep)))
+            if not layer.all_valid[row]:
+                keep = valid.nonzero().flatten()
+                keys, values = keys.index_select(1, keep), values.index_select(1, keep)
+            kept.append((keys, values))
         lengths = [k.shape[1] for k, _ in kept] or [0] * batch
         starts = [sum(lengths[:row]) + row * headroom for row in range(batch)]
         keys = torch.zeros(1, heads, sum(lengths) + batch * headroom, dim, dtype=key_dtype, device=device)
