@@ -188,6 +188,7 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
             prompt = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(2)).to(device)
             times = {(name, path): ([], []) for name in models for path in ("after", "before", "fixed")}
             capacity = length + new_tokens + 1
+            peaks = {}  # GPU: MiB the fixed-shape decode allocated beyond its prefill, at its peak
             outputs = {}
             for name in models:  # warm-up, untimed: first calls allocate and pick kernels
                 # at the timed size: a first 2048-token prefill of Dense ran at a third of the next ones' speed
@@ -217,7 +218,12 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                     if fixed_shape and not isinstance(outputs.get((name, "fixed")), Exception):
                         try:  # a failed capture (the first GPU run of it) is a result, not the end of the run
                             _, token, cache = time_prefill(model, prompt, device, capacity)
+                            if device.type == "cuda":  # what the capture adds (e.g. a cuBLAS workspace a stream)
+                                torch.cuda.reset_peak_memory_stats(device)
+                                before = torch.cuda.memory_allocated(device)
                             first, dec, generated = time_fixed_shape_decode(model, token, cache, new_tokens, device)
+                            if device.type == "cuda":
+                                peaks[name] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
                         except Exception as error:  # noqa: BLE001
                             outputs[name, "fixed"] = error
                             log(f"[generate] fixed-shape decode of {name} failed: {error!r}")
@@ -250,6 +256,7 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                     first, dec = (statistics.median(t) for t in times[name, "fixed"])
                     row.update(fixed_decode_tok_s=batch * (new_tokens - 2) / dec, fixed_first_steps_s=first,
                                fixed_kv_cache_allocated_bytes=allocated, fixed_cuda_graph=graphed,
+                               fixed_decode_peak_mib=peaks.get(name),
                                fixed_same_tokens=bool(torch.equal(fixed_generated, generated)),
                                fixed_syncs_per_token=syncs_per_token(model, prompt, min(8, new_tokens - 2), capacity))
                 rows.append(row)
@@ -361,8 +368,8 @@ def render_markdown(meta, rows) -> str:
         out += ["", "Fixed-shape decode (`XModCache(max_cache_len=prompt + new tokens + 1)`, static_decode.py; "
                 "timed after its first two steps, which build the buffers and, on a GPU, capture the CUDA graph):", "",
                 "| batch | prompt | model | decode tok/s | vs default path | vs Dense (fixed) | first two steps s | "
-                "syncs/token | CUDA graph | same tokens | KV cache KiB allocated |",
-                "|---:|---:|---|---:|---:|---:|---:|---:|---|---|---:|"]
+                "syncs/token | CUDA graph | same tokens | KV cache KiB allocated | decode's peak MiB beyond the prefill |",
+                "|---:|---:|---|---:|---:|---:|---:|---:|---|---|---:|---:|"]
         for r in fixed:
             if "fixed_error" in r:
                 out.append(f"| {r['batch']} | {r['prompt']} | {r['model']} | failed: {r['fixed_error']} |")
@@ -371,7 +378,8 @@ def render_markdown(meta, rows) -> str:
                        f"{r.get('fixed_vs_default', 1):.2f} | {r.get('fixed_vs_dense_fixed', 1):.2f} | "
                        f"{r['fixed_first_steps_s']:.2f} | {r['fixed_syncs_per_token']:.1f} | "
                        f"{'yes' if r['fixed_cuda_graph'] else 'no (eager)'} | "
-                       f"{'yes' if r['fixed_same_tokens'] else 'NO'} | {r['fixed_kv_cache_allocated_bytes'] / 1024:.0f} |")
+                       f"{'yes' if r['fixed_same_tokens'] else 'NO'} | {r['fixed_kv_cache_allocated_bytes'] / 1024:.0f} | "
+                       + ("-" if r.get("fixed_decode_peak_mib") is None else f"{r['fixed_decode_peak_mib']:.0f}") + " |")
     return "\n".join(out) + "\n"
 
 
