@@ -329,6 +329,13 @@ class XModDecoderLayer(nn.Module):
         attention = self.self_attn(self.input_layernorm(x), positions, valid, cache, documents, rows, rope, causal)
         return attention, self.mlp(self.post_attention_layernorm(x + attention))
 
+    def decode_static(self, x, rope, state: StaticDecodeState):
+        """(attention, MLP) of every row of a fixed-shape decode step (static_decode.py): the attention appends
+        to ``state``'s buffers of this layer; MoE runs every expert (no device read decides which)."""
+        attention = self.self_attn.decode_static(self.input_layernorm(x), rope, state)
+        normed = self.post_attention_layernorm(x + attention)
+        return attention, self.mlp(normed, every_expert=True) if self.config.is_moe else self.mlp(normed)
+
     def forward(self, x, positions, valid, cache=None, carried_bias=None, rule="threshold", routes_one=False,
                 documents=None, rope=None, routed=None, causal=False, in_place=False):
         """Returns (x, token-choice bias after this layer or None for a dense layer). ``documents``:
@@ -592,9 +599,8 @@ class XModModel(XModPreTrainedModel):
         for i, layer in enumerate(self.layers):
             carried = bias if cfg.carries_bias(i) else None
             if not layer.sparse:
-                attention = layer.self_attn.decode_static(layer.input_layernorm(x), rope, state)
-                x = x + attention
-                x = x + self._decode_static_mlp(layer, x)
+                attention, mlp = layer.decode_static(x, rope, state)
+                x = x + attention + mlp
                 bias = None
                 continue
             decision = route(layer.router_logits(x).t(), layer.sparsity_k, "threshold",
@@ -608,16 +614,11 @@ class XModModel(XModPreTrainedModel):
     def _decode_static_sparse(self, layer, state: StaticDecodeState, x, rope, scores, routed) -> None:
         """A sparse layer's attention and MLP for every row of a fixed-shape decode step; the gated update
         goes into the routed rows of ``x`` (in place), and ``state`` keeps their cache entries."""
-        attention = layer.self_attn.decode_static(layer.input_layernorm(x), rope, state)
-        mlp = self._decode_static_mlp(layer, x + attention)
+        attention, mlp = layer.decode_static(x, rope, state)
         delta, gate = gated_residual(self.config.routing_family, attention, mlp, torch.sigmoid(scores).to(x.dtype),
                                      getattr(layer, "gate_scale", None), routed.to(x.dtype))
         x.add_(gate.unsqueeze(-1) * delta)
         state.advance_sparse(layer.layer_idx, routed)
-
-    def _decode_static_mlp(self, layer, x):
-        normed = layer.post_attention_layernorm(x)
-        return layer.mlp(normed, every_expert=True) if self.config.is_moe else layer.mlp(normed)
 
     def sparse_runs(self) -> list[tuple[int, int]]:
         """(first, end) of every run of consecutive sparse layers (one token-choice-bias chain each)."""
