@@ -1,4 +1,8 @@
 """Small builders shared by the tests (tiny backbones so that CPU runs take seconds)."""
+import os
+import subprocess
+import sys
+
 import torch
 
 from megatron_xmod.model import build_gpt_model, config_from_backbone
@@ -43,3 +47,18 @@ def record_in_place(layers) -> list:
     for layer in layers:
         layer.register_forward_hook(same_storage, with_kwargs=True)
     return in_place
+
+
+def run_triton_interp_tests(test_file: str, drop_env=(), timeout: int = 300) -> str:
+    """Run ``test_file``'s ``triton_interp_`` tests in a child pytest under TRITON_INTERPRET=1, which must be
+    set before Triton defines its kernels; they must pass and none be skipped. ``drop_env``: variables the
+    child must not inherit besides MASTER_ADDR / MASTER_PORT (conftest exports those for this session's
+    process group: the child needs its own). Returns the child's summary line."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", *drop_env)}
+    env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "triton_interp_"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in last and "skipped" not in last, last
+    return last

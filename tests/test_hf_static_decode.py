@@ -8,7 +8,6 @@ step's ops are replayed without any Python module code, the emulator deciding ea
 IF node from the replayed flag as the device would.
 """
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from generate import calibrate_routers  # noqa: E402
 from graph_replay import NotCapturable, record  # noqa: E402
+from helpers import run_triton_interp_tests  # noqa: E402
 from hf_helpers import left_padded  # noqa: E402
 from test_hf_decode import PAD, VOCAB, cached, prompt, recomputed, routed_model  # noqa: E402
 
@@ -283,13 +283,8 @@ def test_region_attention_interpreter():
     pytest.importorskip("triton")
     if INTERP:
         pytest.skip("already inside the interpreter run")
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton_interp_"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    assert "3 passed" in last and "skipped" not in last, last
+    last = run_triton_interp_tests(__file__, timeout=600)
+    assert "3 passed" in last, last
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh runs it)")

@@ -6,12 +6,12 @@ with it set. ``gpu_`` tests run the native kernels (bench/gpu_check.sh) and skip
 """
 import logging
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_triton_interp_tests
 
 from megatron_xmod.xmod import kernels
 from megatron_xmod.xmod.kernels import routing_step
@@ -323,14 +323,7 @@ def test_triton_routing_interpreter():
     pytest.importorskip("triton")
     if INTERP:
         pytest.skip("already inside the interpreter run")
-    # conftest exports MASTER_ADDR/MASTER_PORT for this session's process group: the child needs its own
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", kernels.ENV_BACKEND)}
-    env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton_interp_"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in last and "skipped" not in last, last
+    run_triton_interp_tests(__file__, drop_env=(kernels.ENV_BACKEND,))
 
 
 # ---------------------------------------------------------------- dispatch (no interpreter needed)

@@ -9,11 +9,10 @@ import glob
 import logging
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import run_triton_interp_tests
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_xmod
@@ -350,13 +349,7 @@ def test_triton_interpreter():
     pytest.importorskip("triton")
     if INTERP:
         pytest.skip("already inside the interpreter run")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop(dispatch.ENV_BACKEND, None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton_interp_"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    print(proc.stdout[-3000:], proc.stderr[-2000:])
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
+    run_triton_interp_tests(__file__, drop_env=(dispatch.ENV_BACKEND,), timeout=240)
 
 
 # ---------------------------------------------------------------- CUDA extension
