@@ -22,10 +22,11 @@ router and selection at every step and reads the selection back from the device 
 before the run-ahead of ``XModModel._decode_sparse_run``).
 
 With ``--fixed-shape`` each model also decodes from its own prefill into a fixed-shape cache
-(``XModCache(max_cache_len=...)``, megatron_xmod/hf/static_decode.py): timed after its first two
-steps (the first builds the buffers, the second captures the CUDA graph on a GPU), with the seconds
-of those two, whether a graph was captured, its host syncs per token and whether it decoded the
-default path's tokens; a failure (e.g. the first capture on a new GPU stack) is recorded in the row.
+(``XModCache(max_cache_len=..., sparse_room=--sparse-room)``, megatron_xmod/hf/static_decode.py): timed
+after its first two steps (the first builds the buffers, the second captures the CUDA graph on a GPU),
+with the seconds of those two, whether a graph was captured, its host syncs per token, how often the
+adaptive room read the counts and laid a layer out again, and whether it decoded the default path's
+tokens; a failure (e.g. the first capture on a new GPU stack) is recorded in the row.
 
 Writes ``generate_<machine>_<date>.json`` / ``.md`` and ``generate_<machine>_<date>.png`` (decode
 tokens/s against prompt length) under ``--out``.
@@ -101,11 +102,12 @@ def _sync(device):
 
 
 @torch.no_grad()
-def prefill(model, prompt, max_cache_len=None):
-    """Greedy token after ``prompt`` and the cache; ``max_cache_len``: a fixed-shape cache of that many tokens."""
+def prefill(model, prompt, max_cache_len=None, sparse_room="adaptive"):
+    """Greedy token after ``prompt`` and the cache; ``max_cache_len``: a fixed-shape cache of that many tokens
+    (``sparse_room``: its sparse regions' room, static_decode.py)."""
     from megatron_xmod.hf.cache import XModCache
 
-    cache = XModCache(model.config, max_cache_len=max_cache_len)
+    cache = XModCache(model.config, max_cache_len=max_cache_len, sparse_room=sparse_room)
     logits = model(prompt, cache=cache, logits_to_keep=1).logits[:, -1]
     return logits.argmax(-1, keepdim=True), cache
 
@@ -120,10 +122,10 @@ def decode(model, token, cache, steps: int):
     return torch.cat(out, dim=1)
 
 
-def time_prefill(model, prompt, device, max_cache_len=None):
+def time_prefill(model, prompt, device, max_cache_len=None, sparse_room="adaptive"):
     _sync(device)
     start = time.perf_counter()
-    token, cache = prefill(model, prompt, max_cache_len)
+    token, cache = prefill(model, prompt, max_cache_len, sparse_room)
     _sync(device)
     return time.perf_counter() - start, token, cache
 
@@ -150,11 +152,11 @@ def time_fixed_shape_decode(model, token, cache, new_tokens: int, device):
     return middle - start, time.perf_counter() - middle, torch.cat([first, rest], dim=1)
 
 
-def syncs_per_token(model, prompt, steps: int, max_cache_len=None) -> float:
+def syncs_per_token(model, prompt, steps: int, max_cache_len=None, sparse_room="adaptive") -> float:
     """Host syncs per decoded token; with ``max_cache_len`` (fixed-shape decode) after its first two steps."""
     from sync_counter import SyncCounter
 
-    token, cache = prefill(model, prompt, max_cache_len)
+    token, cache = prefill(model, prompt, max_cache_len, sparse_room)
     if max_cache_len is not None:
         token = decode(model, token, cache, 2)[:, -1:]
     with SyncCounter() as counter:
@@ -176,10 +178,10 @@ def build_models(models, hidden, max_positions, calibration_length, device, log=
 
 
 def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=print, after_each=None,
-            per_layer_decode=False, fixed_shape=False):
+            per_layer_decode=False, fixed_shape=False, sparse_room="adaptive"):
     """Rows of every (batch, prompt, model); ``after_each(rows)`` after each (batch, prompt), so that a run
     cut off keeps what finished. ``fixed_shape``: each model also decodes from its own prefill into a
-    fixed-shape cache (``XModCache(max_cache_len=...)``, static_decode.py)."""
+    fixed-shape cache (``XModCache(max_cache_len=..., sparse_room=sparse_room)``, static_decode.py)."""
     models = list(built)
     vocab = built[models[0]][0].config.vocab_size
     rows = []
@@ -217,7 +219,7 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                     model.model.decode_skips_unrouted = True
                     if fixed_shape and not isinstance(outputs.get((name, "fixed")), Exception):
                         try:  # a failed capture (the first GPU run of it) is a result, not the end of the run
-                            _, token, cache = time_prefill(model, prompt, device, capacity)
+                            _, token, cache = time_prefill(model, prompt, device, capacity, sparse_room)
                             if device.type == "cuda":  # what the capture adds (e.g. a cuBLAS workspace a stream)
                                 torch.cuda.reset_peak_memory_stats(device)
                                 before = torch.cuda.memory_allocated(device)
@@ -231,7 +233,9 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                         times[name, "fixed"][0].append(first)
                         times[name, "fixed"][1].append(dec)
                         outputs[name, "fixed"] = (cache.nbytes(allocated=True)["total"], generated,
-                                                  cache.static.graph is not None)
+                                                  cache.static.graph is not None,
+                                                  (cache.static.room_reads, cache.static.layout_changes,
+                                                   cache.static.relayouts))
                         del cache
             for name in models:
                 model, fractions = built[name]
@@ -252,13 +256,16 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                 if fixed_shape and isinstance(outputs[name, "fixed"], Exception):
                     row["fixed_error"] = repr(outputs[name, "fixed"])[:400]
                 elif fixed_shape:
-                    allocated, fixed_generated, graphed = outputs[name, "fixed"]
+                    allocated, fixed_generated, graphed, (reads, changes, relayouts) = outputs[name, "fixed"]
                     first, dec = (statistics.median(t) for t in times[name, "fixed"])
                     row.update(fixed_decode_tok_s=batch * (new_tokens - 2) / dec, fixed_first_steps_s=first,
                                fixed_kv_cache_allocated_bytes=allocated, fixed_cuda_graph=graphed,
+                               fixed_sparse_room=sparse_room, fixed_room_reads=reads, fixed_layout_changes=changes,
+                               fixed_relayouts=relayouts,
                                fixed_decode_peak_mib=peaks.get(name),
                                fixed_same_tokens=bool(torch.equal(fixed_generated, generated)),
-                               fixed_syncs_per_token=syncs_per_token(model, prompt, min(8, new_tokens - 2), capacity))
+                               fixed_syncs_per_token=syncs_per_token(model, prompt, min(8, new_tokens - 2), capacity,
+                                                                     sparse_room))
                 rows.append(row)
                 log(f"[generate] batch {batch} prompt {length} {name}: prefill {row['prefill_tok_s']:.0f} tok/s, "
                     f"decode {row['decode_tok_s']:.1f} tok/s, {row['syncs_per_token']:.1f} syncs/token")
@@ -368,8 +375,10 @@ def render_markdown(meta, rows) -> str:
         out += ["", "Fixed-shape decode (`XModCache(max_cache_len=prompt + new tokens + 1)`, static_decode.py; "
                 "timed after its first two steps, which build the buffers and, on a GPU, capture the CUDA graph):", "",
                 "| batch | prompt | model | decode tok/s | vs default path | vs Dense (fixed) | first two steps s | "
-                "syncs/token | CUDA graph | same tokens | KV cache KiB allocated | decode's peak MiB beyond the prefill |",
-                "|---:|---:|---|---:|---:|---:|---:|---:|---|---|---:|---:|"]
+                "syncs/token | CUDA graph | same tokens | sparse room: counts read / reads that laid out again "
+                "(graphed: captures) / layers laid out again | "
+                "KV cache KiB allocated | decode's peak MiB beyond the prefill |",
+                "|---:|---:|---|---:|---:|---:|---:|---:|---|---|---|---:|---:|"]
         for r in fixed:
             if "fixed_error" in r:
                 out.append(f"| {r['batch']} | {r['prompt']} | {r['model']} | failed: {r['fixed_error']} |")
@@ -378,7 +387,10 @@ def render_markdown(meta, rows) -> str:
                        f"{r.get('fixed_vs_default', 1):.2f} | {r.get('fixed_vs_dense_fixed', 1):.2f} | "
                        f"{r['fixed_first_steps_s']:.2f} | {r['fixed_syncs_per_token']:.1f} | "
                        f"{'yes' if r['fixed_cuda_graph'] else 'no (eager)'} | "
-                       f"{'yes' if r['fixed_same_tokens'] else 'NO'} | {r['fixed_kv_cache_allocated_bytes'] / 1024:.0f} | "
+                       f"{'yes' if r['fixed_same_tokens'] else 'NO'} | "
+                       f"{r.get('fixed_sparse_room', 'full')}: {r.get('fixed_room_reads', 0)} / "
+                       f"{r.get('fixed_layout_changes', 0)} / {r.get('fixed_relayouts', 0)} | "
+                       f"{r['fixed_kv_cache_allocated_bytes'] / 1024:.0f} | "
                        + ("-" if r.get("fixed_decode_peak_mib") is None else f"{r['fixed_decode_peak_mib']:.0f}") + " |")
     return "\n".join(out) + "\n"
 
@@ -424,6 +436,8 @@ def main(argv=None):
                    help="also decode with every sparse layer's own routing at every step (the path before the run-ahead)")
     p.add_argument("--fixed-shape", action="store_true",
                    help="also decode with the fixed-shape cache (XModCache(max_cache_len=...); a CUDA graph on a GPU)")
+    p.add_argument("--sparse-room", choices=("adaptive", "full"), default="adaptive",
+                   help="with --fixed-shape: the room of the sparse layers' regions (static_decode.py)")
     p.add_argument("--long-contexts", type=int, nargs="*", default=[],
                    help="also decode from a synthetic cache of this many tokens (no prefill; see synthetic_cache)")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
@@ -450,7 +464,7 @@ def main(argv=None):
     longest = max(args.prompts + args.long_contexts) + args.new_tokens + 8
     built = build_models(args.models, args.hidden, longest, min(512, max(args.prompts, default=512)), device)
     rows = measure(built, args.prompts, args.batches, args.new_tokens, args.repeats, device, after_each=write,
-                   per_layer_decode=args.per_layer_decode, fixed_shape=args.fixed_shape)
+                   per_layer_decode=args.per_layer_decode, fixed_shape=args.fixed_shape, sparse_room=args.sparse_room)
     if args.long_contexts:
         rows += measure_long_context(built, args.long_contexts, args.batches, args.new_tokens, device,
                                      after_each=lambda long_rows: write(rows + long_rows))

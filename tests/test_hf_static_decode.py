@@ -109,6 +109,15 @@ def test_generate_with_a_static_cache_equals_the_default_cache_on_a_left_padded_
     assert fixed.past_key_values.static.max_cache_len == batch.shape[1] + 10 - 1  # the last token is never fed
     assert torch.equal(fixed.sequences, default.sequences)
     torch.testing.assert_close(torch.stack(fixed.scores), torch.stack(default.scores), rtol=0, atol=1e-5)
+    # the next call, other prompts of the same batch size, refills the model's state (its graph kept on a GPU)
+    state = fixed.past_key_values.static
+    batch, mask = left_padded([prompt(1, 7, seed=8)[0], prompt(1, 9, seed=9)[0], prompt(1, 5, seed=10)[0]], PAD)
+    default = model.generate(batch, attention_mask=mask, **{k: v for k, v in kwargs.items() if k != "attention_mask"})
+    fixed = model.generate(batch, cache_implementation="static", attention_mask=mask,
+                           **{k: v for k, v in kwargs.items() if k != "attention_mask"})
+    assert fixed.past_key_values.static is state
+    assert torch.equal(fixed.sequences, default.sequences)
+    torch.testing.assert_close(torch.stack(fixed.scores), torch.stack(default.scores), rtol=0, atol=1e-5)
 
 
 def _replayed_decode(model, tokens, steps):
@@ -185,6 +194,8 @@ def test_fixed_shape_cache_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="cache_implementation: 'static' .* beam_search needs the default"):
         model.generate(start, max_new_tokens=3, num_beams=2, do_sample=False, pad_token_id=PAD,
                        cache_implementation="static")
+    with pytest.raises(ValueError, match="sparse_room: .* one of adaptive, full, got 'tight'"):
+        XModCache(model.config, max_cache_len=20, sparse_room="tight")
     cache = XModCache(model.config, max_cache_len=20, graphed=True)  # a model on the CPU
     with pytest.raises(ValueError, match="graphed: CUDA-graph capture of a decode step needs the model on one GPU"), \
             torch.no_grad():
@@ -219,6 +230,120 @@ def test_the_decode_state_captures_its_second_step_as_a_graph_and_replays_it(mon
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
     assert state.entries() == want_cache.entries()
+
+
+def _tight_room(monkeypatch):
+    """Regions with almost no room beyond what each sequence's rate so far predicts: they run short often."""
+    from megatron_xmod.hf import static_decode
+
+    monkeypatch.setattr(static_decode, "ROOM_SLACK", 1.0)
+    monkeypatch.setattr(static_decode, "ROOM_MARGIN", 1)
+
+
+def _regions_hold_their_entries(state) -> bool:
+    """Every sparse region's count within its size (no entry written past the region)."""
+    return all(n <= size for i, layout in state.regions.items()
+               for n, size in zip(state.layers[i][2].tolist(), layout.sizes))
+
+
+def test_adaptive_room_reads_the_counts_rarely_and_lays_out_again_where_a_region_runs_short(monkeypatch):
+    """The adaptive room (the default): regions sized by each sequence's routing so far. With tight room the
+    host reads the counts only when a region could fill, lays out again the layers that run short, and the
+    decode still equals the default path (an entry written past its region would land in the next
+    sequence's); with the default room a 40-token decode reads the counts at most every 8 steps, and the
+    regions take less memory than room for every token left ("full": no read, no new layout)."""
+    model = routed_model()
+    start = prompt(3, 10, seed=16)
+    want_tokens, want_logits, want_cache = cached(model, start, 40)
+    with monkeypatch.context() as patch:
+        _tight_room(patch)
+        cache, tokens, logits = first_fixed_step(model, start, 40)
+        state = cache.static
+        held = []
+        for _ in range(38):
+            tokens, logits = greedy_steps(model, cache, tokens, logits, 1)
+            tokens, logits = tokens[:, :-1], list(logits.unbind(1))
+            held.append(_regions_hold_their_entries(state))
+        tokens, logits = greedy_steps(model, cache, tokens, logits, 0)
+    assert all(held)
+    assert 0 < state.layout_changes <= state.room_reads < state.steps and state.relayouts >= state.layout_changes
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
+    assert state.entries() == want_cache.entries()
+
+    sizes = {}
+    for room in ("adaptive", "full"):
+        tokens, logits, cache = cached(model, start, 40, XModCache(model.config, max_cache_len=60, sparse_room=room))
+        assert torch.equal(tokens, want_tokens)
+        sizes[room] = cache.nbytes(allocated=True)["sparse"]
+        assert cache.static.layout_changes <= cache.static.room_reads <= cache.static.steps // 8
+    assert cache.static.room_reads == 0 and cache.static.relayouts == 0  # "full"
+    assert sizes["adaptive"] < 0.8 * sizes["full"], sizes
+
+
+def test_a_new_layout_is_captured_again(monkeypatch):
+    """A layer laid out again has new buffers, which a captured graph does not know: the graph is dropped and
+    the next step captures anew; the tokens, logits and entries stay the default path's."""
+    from graph_replay import EmulatedCUDAGraph, emulated_graph
+
+    model = routed_model()
+    start = prompt(2, 10, seed=17)
+    want_tokens, want_logits, want_cache = cached(model, start, 30)
+    _tight_room(monkeypatch)
+    cache, tokens, logits = first_fixed_step(model, start, 30)
+    state = cache.static
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedCUDAGraph)
+    monkeypatch.setattr(torch.cuda, "graph", emulated_graph(state.buffers))
+    monkeypatch.setattr(EmulatedCUDAGraph, "captures", 0)
+    state.graphed = True
+    layouts = []
+    for _ in range(28):
+        before = state.relayouts
+        tokens, logits = greedy_steps(model, cache, tokens, logits, 1)
+        tokens, logits = tokens[:, :-1], list(logits.unbind(1))
+        layouts.append(state.relayouts > before)
+    tokens, logits = greedy_steps(model, cache, tokens, logits, 0)
+    # two captures (relaxed, then kept) at the first graphed step and after every step that laid out again
+    new_layouts = sum(layouts[1:])
+    assert new_layouts > 0 and EmulatedCUDAGraph.captures == 2 * (1 + new_layouts)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
+    assert state.entries() == want_cache.entries()
+
+
+def test_a_later_generation_refills_the_models_decode_state_and_replays_its_graph(monkeypatch):
+    """The model keeps its last fixed-shape decode state (as transformers keeps a static cache): a later
+    generation of the same batch size whose entries fit refills the buffers in place and replays the graph
+    captured by the first one from its first step (no capture, no Python of the model), with the default
+    path's tokens; the cache that held the buffers before is released (refused afterwards), and a
+    generation that does not fit (another batch size) gets a state of its own."""
+    from graph_replay import EmulatedCUDAGraph, emulated_graph
+
+    model = routed_model()
+    first, later = prompt(2, 10, seed=18), prompt(2, 10, seed=18)[:, :8]
+    want_tokens, want_logits, _ = cached(model, later, 12)
+    cache, tokens, logits = first_fixed_step(model, first, 12)
+    state = cache.static
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedCUDAGraph)
+    monkeypatch.setattr(torch.cuda, "graph", emulated_graph(lambda: model.model.static_decode_state.buffers()))
+    monkeypatch.setattr(EmulatedCUDAGraph, "captures", 0)
+    state.graphed = True
+    greedy_steps(model, cache, tokens, logits, 4)
+    assert EmulatedCUDAGraph.captures == 2 and model.model.static_decode_state is state
+    steps_run = []
+    decode_static = model.model.decode_static
+    monkeypatch.setattr(model.model, "decode_static", lambda s: steps_run.append(1) or decode_static(s))
+    # a prefix of the first prompt: the threshold rule is causal, so every layer routes a subset of its
+    # tokens and every region fits where the first prompt's did
+    tokens, logits, again = cached(model, later, 12, XModCache(model.config, max_cache_len=20))
+    assert again.static is state and EmulatedCUDAGraph.captures == 2 and not steps_run
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="handed to a newer fixed-shape cache"), torch.no_grad():
+        model(tokens[:, -1:], cache=cache)
+    wider = prompt(3, 8, seed=19)
+    _, _, other = cached(model, wider, 3, XModCache(model.config, max_cache_len=20))
+    assert other.static is not state and again.static is state and model.model.static_decode_state is other.static
 
 
 def region_case(seed=0, dtype=torch.float32):
@@ -313,6 +438,20 @@ def test_gpu_fixed_shape_decode_replays_one_cuda_graph_without_host_reads():
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-4)
     assert cache.static.entries() == want_cache.entries()
+    # a later generation (a prefix of the prompt: every region fits) refills the state and replays the same graph
+    graph = cache.static.graph
+    want_tokens, want_logits, _ = cached(model, start[:, :9], 10)
+    again = XModCache(model.config, max_cache_len=28)
+    with torch.no_grad():
+        logits = [model(start[:, :9], cache=again).logits[:, -1]]
+    with SyncCounter() as syncs:  # the refill and nine replayed steps
+        tokens, logits = greedy_steps(model, again, start[:, :9], logits, 9)
+    torch.cuda.synchronize()
+    assert again.static is cache.static and again.static.graph is graph
+    assert syncs.count == 0, syncs.summary()
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-4)
+    model.model.static_decode_state = None
     with pytest.MonkeyPatch.context() as patch:  # a fresh state: the kernel ran inside the captured step
         patch.setattr(regions, "region_attention_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
         static_cached(model, start, 4)

@@ -31,9 +31,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 try:  # an exported folder: the verbatim copy next to this file
-    from .static_decode import StaticDecodeState
+    from .static_decode import StaticDecodeState, check_sparse_room
 except ImportError:  # inside the megatron_xmod package
-    from megatron_xmod.hf.static_decode import StaticDecodeState
+    from megatron_xmod.hf.static_decode import StaticDecodeState, check_sparse_room
 
 
 def tokens_to_drop(tokens_to_remove: int) -> int:
@@ -420,11 +420,12 @@ class XModCache(Cache):
 
     ``max_cache_len``: decode on fixed-shape buffers for that many tokens a sequence (prompt included;
     :class:`StaticDecodeState`, built from this cache's entries at the first decode step; ``graphed``: capture
-    the step as a CUDA graph, by default where the GPU and torch can). What generate's greedy search and
+    the step as a CUDA graph, by default where the GPU and torch can; ``sparse_room``: "adaptive" or "full",
+    the room of the sparse layers' regions, static_decode.py). What generate's greedy search and
     sampling need works on it; beam search, assisted decoding and ``crop`` need the default cache."""
 
     def __init__(self, config=None, num_layers: Optional[int] = None, sparse_layers: Optional[list] = None,
-                 max_cache_len: Optional[int] = None, graphed: Optional[bool] = None):
+                 max_cache_len: Optional[int] = None, graphed: Optional[bool] = None, sparse_room: str = "adaptive"):
         if config is not None:
             num_layers = config.num_hidden_layers
             sparse_layers = [config.is_sparse(i) for i in range(num_layers)]
@@ -435,8 +436,9 @@ class XModCache(Cache):
         if max_cache_len is not None and not (isinstance(max_cache_len, int) and max_cache_len > 0):
             raise ValueError(f"max_cache_len: the tokens a sequence may reach must be a positive integer, got "
                              f"{max_cache_len!r}")
-        self.max_cache_len, self.graphed = max_cache_len, graphed
+        self.max_cache_len, self.graphed, self.sparse_room = max_cache_len, graphed, check_sparse_room(sparse_room)
         self.static: Optional[StaticDecodeState] = None
+        self._released = False  # the fixed-shape buffers went to a newer cache (release_static)
         self.seen_tokens = 0
         self.sequences: Optional[int] = None  # the batch size of the current pass (begin_pass)
         # positions [b, n] and valid [b, n] (None: all) of every pass's tokens, for crop
@@ -447,15 +449,30 @@ class XModCache(Cache):
         self._refuse_when_static("update")
         return self.layers[layer_idx].update(key_states, value_states, valid, positions, rows, self.sequences)
 
-    def static_state(self, one_device: bool = True) -> StaticDecodeState:
+    def static_state(self, one_device: bool = True, reuse: Optional[StaticDecodeState] = None) -> StaticDecodeState:
         """The fixed-shape decode buffers (``max_cache_len``), built from the entries so far at the first
         call; the per-layer caches are emptied then (their entries live in the buffers). ``one_device``: the
-        model's parameters are on one device (a CUDA graph captures one)."""
+        model's parameters are on one device (a CUDA graph captures one). ``reuse``: the state of an earlier
+        generation of the model, refilled with these entries where it can take them
+        (:meth:`StaticDecodeState.refill`: its buffers and captured graph kept), else left alone."""
         if self.static is None:
-            self.static = StaticDecodeState(self, self.max_cache_len, self.graphed, one_device)
+            if self._released:
+                raise ValueError("cache: its fixed-shape buffers were handed to a newer fixed-shape cache of the same "
+                                 "model (a model reuses one fixed-shape decode state, and its captured graph, from "
+                                 "one generation to the next); continue that generation, or start a new one with a "
+                                 "new cache")
+            settings = (self.graphed, one_device, self.sparse_room)
+            if reuse is not None and reuse.refill(self, self.max_cache_len, *settings):
+                self.static = reuse
+            else:
+                self.static = StaticDecodeState(self, self.max_cache_len, *settings)
             for layer in self.layers:
                 layer.reset()
         return self.static
+
+    def release_static(self) -> None:
+        """Give up the fixed-shape buffers (a newer cache of the model took them over): later passes are refused."""
+        self.static, self._released = None, True
 
     def _refuse_when_static(self, what: str) -> None:
         if self.static is not None:

@@ -496,6 +496,9 @@ class XModModel(XModPreTrainedModel):
         # Decode steps skip the sparse layers that route none of the new tokens (_decode_sparse_run);
         # False runs every sparse layer's own routing at every step (the path before it, for comparison).
         self.decode_skips_unrouted = True
+        # The last fixed-shape decode's buffers and CUDA graph (static_decode.py), refilled by the next
+        # generation where they fit it, as transformers keeps a model's static cache; None frees them.
+        self.static_decode_state: Optional[StaticDecodeState] = None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -563,7 +566,9 @@ class XModModel(XModPreTrainedModel):
             if input_ids is None:
                 raise ValueError("inputs_embeds: a fixed-shape decode step (XModCache(max_cache_len=...)) takes "
                                  "input_ids; decode with a cache without max_cache_len to pass embeddings")
-            state = cache.static or cache.static_state(one_device=len({p.device for p in self.parameters()}) == 1)
+            state = cache.static or cache.static_state(one_device=len({p.device for p in self.parameters()}) == 1,
+                                                       reuse=self.static_decode_state)
+            self.static_decode_state = state  # the next generation refills it: its buffers and graph are kept
             hidden = state.step(self.decode_static, input_ids, position_ids, valid)
             cache.advance(1)
             return hidden.clone(), cache

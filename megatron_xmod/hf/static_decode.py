@@ -10,10 +10,16 @@ decode step reads and writes in buffers allocated once, after the prefill:
 - sparse layers: one flat buffer of keys and values ``[1, kv_heads, slots, head_dim]`` holding every
   sequence's region (``starts`` ``[batch]``) and ``lengths`` ``[batch]`` (entries a sequence holds, on the
   device); a sequence's entries are its routed tokens in token order, as in
-  :class:`~cache.SparseKVLayer`. A region is as long as the sequence's entries after the prefill plus the
-  tokens left to ``max_cache_len`` (a decode step adds at most one entry a sequence), so no step ever
-  grows a buffer or asks the device how full one is, and no sequence is padded to the busiest one (one
-  sparse layer routed 4 to 82 tokens of 256-token prompts across a batch of 8: bench/README.md);
+  :class:`~cache.SparseKVLayer`. A region is the sequence's entries plus room for the entries it may
+  add (a decode step adds at most one a sequence), and no sequence is padded to the busiest one (one
+  sparse layer routed 4 to 82 tokens of 256-token prompts across a batch of 8: bench/README.md). How
+  much room (``sparse_room``): "adaptive" (default) sizes it by the rate at which the sequence routed
+  tokens to the layer so far, ``ROOM_SLACK`` times that over the tokens left plus ``ROOM_MARGIN``, and
+  the host, which knows that no region can fill in fewer steps than its smallest free room, reads the
+  counts back only then (one read, at most every ``ROOM_MARGIN // 2`` steps) and lays out again a layer
+  whose regions run short (a new layout: a graph is captured again); "full" gives every region room for every
+  token left to ``max_cache_len``, never reads and never lays out again, for ~K times the memory of a
+  sparse layer's entries in a long generation;
 - the step's inputs (token ids, positions, which tokens are valid) and its output (the hidden states
   after the final norm).
 
@@ -34,8 +40,9 @@ batch's queries attend together over the whole flat buffer, each masked to its o
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -46,6 +53,32 @@ except ImportError:  # inside the megatron_xmod package
 
 
 _PROBED: dict = {}  # CUDA device -> whether a conditional node captured and replayed correctly there
+
+SPARSE_ROOM_POLICIES = ("adaptive", "full")
+# "adaptive" room: ROOM_SLACK x the entries a sequence's rate so far predicts for the tokens left, plus
+# ROOM_MARGIN; a region runs short only where a sequence routes tokens to a layer at 1.5x its earlier rate
+# or more, and the margin bounds how often the host reads the counts (at most every ROOM_MARGIN // 2 steps)
+ROOM_SLACK = 1.5
+ROOM_MARGIN = 16
+
+
+def region_room(rate: float, remaining: int, policy: str = "adaptive") -> int:
+    """Room in a sequence's region of a sparse layer for the ``remaining`` decode steps, the sequence routing
+    tokens to the layer at ``rate``: every remaining step under "full", else ``ROOM_SLACK`` x the entries the
+    rate predicts plus ``ROOM_MARGIN`` (at least 1, at most ``remaining``)."""
+    if policy == "full":
+        return remaining
+    return min(remaining, max(1, math.ceil(remaining * rate * ROOM_SLACK) + ROOM_MARGIN))
+
+
+class RegionLayout(NamedTuple):
+    """The host's copy of a sparse layer's layout: each region's first slot and size (entries + room), and the
+    entries each held and the tokens seen when it was laid out (the routing rates since then)."""
+
+    starts: list[int]
+    sizes: list[int]
+    lengths: list[int]
+    tokens: int
 
 
 def conditional_nodes_available(device: Optional[torch.device] = None) -> bool:
@@ -88,7 +121,37 @@ class StaticDecodeState:
     """The buffers of fixed-shape decode steps for one batch (module docstring), built from a prefilled
     :class:`~cache.XModCache`; ``max_cache_len``: the tokens a sequence may reach, prompt included."""
 
-    def __init__(self, cache, max_cache_len: int, graphed: Optional[bool] = None, one_device: bool = True):
+    def __init__(self, cache, max_cache_len: int, graphed: Optional[bool] = None, one_device: bool = True,
+                 sparse_room: str = "adaptive"):
+        check_sparse_room(sparse_room)
+        entry, seen = self._prompt(cache, max_cache_len)
+        self.sparse_room, self.requested = sparse_room, (graphed, one_device, sparse_room)
+        self.sparse = [layer.sparse for layer in cache.layers]
+        self.batch, self.device, self._entry = entry[0], entry[5], entry
+        self.graph = None
+        self._capturing = None  # the CUDA graph being captured, whose IF nodes branch() opens
+        # per sparse layer, the host's copy of its layout: each region's start and size (entries + room)
+        self.regions: dict[int, RegionLayout] = {}
+        self.layers: list[tuple[torch.Tensor, ...]] = [None] * len(cache.layers)
+        self.column = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.input_ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
+        self.valid = torch.ones(self.batch, 1, dtype=torch.bool, device=self.device)
+        self.hidden: Optional[torch.Tensor] = None  # [batch, 1, hidden], allocated by the first step
+        self._fill(cache, max_cache_len, seen)
+        capturable = self.device.type == "cuda" and one_device and conditional_nodes_available(self.device)
+        self.graphed = capturable if graphed is None else graphed
+        if self.graphed and not capturable:
+            raise ValueError("graphed: CUDA-graph capture of a decode step needs the model on one GPU whose torch, "
+                             "driver and CUDA (>= 12.4) run conditional nodes "
+                             "(torch.cuda.CUDAGraph.begin_capture_to_if_node); pass graphed=False")
+        self.attention_backend = "auto"  # of the sparse layers' region attention: auto, torch or triton
+        self.owner = cache  # the XModCache whose entries the buffers hold (refill hands them to another)
+
+    @staticmethod
+    def _prompt(cache, max_cache_len: int):
+        """(batch, kv heads, head dim, key dtype, value dtype, device) of ``cache``'s entries and the tokens it
+        has seen, checked against ``max_cache_len``."""
         filled = [layer for layer in cache.layers if layer.is_initialized]
         if not filled:
             raise ValueError("cache: a fixed-shape decode starts from a prefilled cache; run the prompt through the "
@@ -103,59 +166,150 @@ class StaticDecodeState:
         if seen >= max_cache_len:
             raise ValueError(f"max_cache_len: the prompt has {seen} tokens, max_cache_len is {max_cache_len}; "
                              "pass a max_cache_len above the prompt length plus the tokens to generate")
+        return entry, seen
+
+    def _fill(self, cache, max_cache_len: int, seen: int) -> None:
+        """Move ``cache``'s prefilled entries into the buffers, in place where a buffer is there and holds them
+        (a refill), else into new ones; start the generation's counters."""
         self.max_cache_len, self.prompt_tokens = max_cache_len, seen
-        self.sparse = [layer.sparse for layer in cache.layers]
-        self.layers: list[tuple[torch.Tensor, ...]] = []
-        for layer in cache.layers:
-            self.layers.append(self._sparse_buffers(layer, entry, max_cache_len - seen) if layer.sparse
-                               else self._dense_buffers(layer, max_cache_len))
-        self.batch, self.device = entry[0], entry[5]
-        self.column = torch.full((1,), seen, dtype=torch.long, device=self.device)
-        self.input_ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
-        self.valid = torch.ones(self.batch, 1, dtype=torch.bool, device=self.device)
-        self.hidden: Optional[torch.Tensor] = None  # [batch, 1, hidden], allocated by the first step
+        free = [max_cache_len - seen]
+        for i, layer in enumerate(cache.layers):
+            if layer.sparse:
+                kept = self._valid_entries(layer)
+                lengths = [k.shape[1] for k, _ in kept]
+                self.layers[i] = self._lay_out(i, kept, lengths, seen, max_cache_len - seen, reuse=self.layers[i])
+                free.append(self._least_free(i, lengths))
+            else:
+                self.layers[i] = self._dense_buffers(layer, max_cache_len, reuse=self.layers[i])
+        # decode steps that cannot fill any region, whatever they route: the host reads the counts only after them
+        self._unchecked = min(free)
+        self.relayouts = 0  # sparse layers laid out again because a region ran short (adaptive room)
+        self.room_reads = 0  # host reads of the counts
+        self.layout_changes = 0  # reads after which some layer was laid out again (under graphs: a new capture)
+        self.column.fill_(seen)
         self.steps = 0
-        capturable = self.device.type == "cuda" and one_device and conditional_nodes_available(self.device)
-        self.graphed = capturable if graphed is None else graphed
-        if self.graphed and not capturable:
-            raise ValueError("graphed: CUDA-graph capture of a decode step needs the model on one GPU whose torch, "
-                             "driver and CUDA (>= 12.4) run conditional nodes "
-                             "(torch.cuda.CUDAGraph.begin_capture_to_if_node); pass graphed=False")
-        self.attention_backend = "auto"  # of the sparse layers' region attention: auto, torch or triton
-        self.graph = None
-        self._capturing = None  # the CUDA graph being captured, whose IF nodes branch() opens
+
+    def refill(self, cache, max_cache_len: int, graphed: Optional[bool] = None, one_device: bool = True,
+               sparse_room: str = "adaptive") -> bool:
+        """Take over ``cache``'s prefilled entries (a later generation of the same model, whose
+        ``XModModel.static_decode_state`` this is) into these buffers, keeping the captured graph where every
+        buffer holds the new prompt's entries in place (a sparse layer whose regions do not fit gets new buffers,
+        and the next step captures again). False, nothing changed, where the new generation differs in batch,
+        KV shape, dtype, device, layers or settings, or needs more than the dense layers' ``max_cache_len``
+        columns. The cache that held the buffers before is released (:meth:`XModCache.release_static`)."""
+        entry, seen = self._prompt(cache, max_cache_len)
+        if (entry != self._entry or [layer.sparse for layer in cache.layers] != self.sparse
+                or (graphed, one_device, sparse_room) != self.requested
+                or any(not sparse and buffers[0].shape[2] < max_cache_len
+                       for sparse, buffers in zip(self.sparse, self.layers))):
+            return False
+        if self.owner is not None and self.owner is not cache:
+            self.owner.release_static()
+        self._fill(cache, max_cache_len, seen)
+        self.owner = cache
+        return True
 
     @staticmethod
-    def _dense_buffers(layer, capacity: int) -> tuple[torch.Tensor, ...]:
+    def _dense_buffers(layer, capacity: int, reuse=None) -> tuple[torch.Tensor, ...]:
+        """A dense layer's entries at the start of ``capacity`` columns: in the buffers ``reuse`` (key_valid
+        masks what a generation before left past them), else new ones."""
         batch, heads, used, dim = layer.keys.shape
-        keys = layer.keys.new_zeros(batch, heads, capacity, dim)
-        values = layer.values.new_zeros(batch, heads, capacity, dim)
-        key_valid = torch.zeros(batch, capacity, dtype=torch.bool, device=keys.device)
+        if reuse is not None:
+            keys, values, key_valid = reuse
+            key_valid.zero_()
+        else:
+            keys = layer.keys.new_zeros(batch, heads, capacity, dim)
+            values = layer.values.new_zeros(batch, heads, capacity, dim)
+            key_valid = torch.zeros(batch, capacity, dtype=torch.bool, device=keys.device)
         keys[:, :, :used], values[:, :, :used], key_valid[:, :used] = layer.keys, layer.values, layer.valid
         return keys, values, key_valid
 
-    @staticmethod
-    def _sparse_buffers(layer, entry, headroom: int) -> tuple[torch.Tensor, ...]:
-        """A sparse layer's valid entries, each sequence's packed at the start of its region (a sequence whose
-        entries are not all valid: one host read, once); ``entry``: (batch, kv heads, head dim, key dtype,
-        value dtype, device)."""
-        batch, heads, dim, key_dtype, value_dtype, device = entry
+    def _valid_entries(self, layer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A per-sequence sparse layer's valid (keys, values) ``[kv_heads, n, head_dim]`` a sequence (a sequence
+        whose entries are not all valid: one host read, once); empty for a layer that holds nothing yet."""
+        batch, heads, dim, key_dtype, value_dtype, device = self._entry
+        if not layer.is_initialized:
+            empty = torch.zeros(heads, 0, dim, dtype=key_dtype, device=device)
+            return [(empty, empty.to(value_dtype))] * batch
         kept = []
-        for row in range(layer.batch if layer.is_initialized else 0):
+        for row in range(layer.batch):
             keys, values, valid, _ = layer.sequence(row)
             if not layer.all_valid[row]:
                 keep = valid.nonzero().flatten()
                 keys, values = keys.index_select(1, keep), values.index_select(1, keep)
             kept.append((keys, values))
-        lengths = [k.shape[1] for k, _ in kept] or [0] * batch
-        starts = [sum(lengths[:row]) + row * headroom for row in range(batch)]
-        keys = torch.zeros(1, heads, sum(lengths) + batch * headroom, dim, dtype=key_dtype, device=device)
-        values = torch.zeros_like(keys, dtype=value_dtype)
-        for (k, v), start in zip(kept, starts):
-            keys[0, :, start:start + k.shape[1]], values[0, :, start:start + v.shape[1]] = k, v
-        return (keys, values, torch.tensor(lengths, dtype=torch.long, device=device),
-                torch.tensor(starts, dtype=torch.long, device=device))
+        return kept
+
+    def _lay_out(self, layer_idx: int, kept, lengths: list[int], tokens: int, remaining: int,
+                 reuse=None, least_room: Optional[list[int]] = None) -> tuple[torch.Tensor, ...]:
+        """Sparse layer ``layer_idx``'s flat buffers: each sequence's first ``lengths`` entries of ``kept``
+        packed at the start of its region, followed by its room (:func:`region_room` at the sequence's rate:
+        entries over the ``tokens`` seen, or since the layer's previous layout where that is higher, for the
+        ``remaining`` steps; at least ``least_room``); the layout's host copy goes to ``regions``. In the
+        buffers ``reuse`` where they hold the regions (their spare slots shared out as more room), else in new
+        ones (a graph captured on the old ones is dropped). ``kept`` must not be views of ``reuse``."""
+        batch, heads, dim, key_dtype, value_dtype, device = self._entry
+        rooms = self._rooms(self.regions.get(layer_idx) if reuse is None else None, lengths, tokens, remaining)
+        sizes = [n + max(room, least) for n, room, least in zip(lengths, rooms, least_room or [0] * batch)]
+        if reuse is not None and sum(sizes) <= reuse[0].shape[2]:
+            keys, values, counts, starts = reuse
+            spare = (keys.shape[2] - sum(sizes)) // batch
+            sizes = [size + spare for size in sizes]
+        else:
+            keys = torch.zeros(1, heads, sum(sizes), dim, dtype=key_dtype, device=device)
+            values = torch.zeros_like(keys, dtype=value_dtype)
+            counts, starts = (torch.zeros(batch, dtype=torch.long, device=device) for _ in range(2))
+            self.graph = None
+        first = [sum(sizes[:row]) for row in range(batch)]
+        for (k, v), start, n in zip(kept, first, lengths):
+            keys[0, :, start:start + n], values[0, :, start:start + n] = k[:, :n], v[:, :n]
+        counts.copy_(torch.tensor(lengths, dtype=torch.long))
+        starts.copy_(torch.tensor(first, dtype=torch.long))
+        self.regions[layer_idx] = RegionLayout(first, sizes, list(lengths), tokens)
+        return keys, values, counts, starts
+
+    def _ensure_room(self) -> None:
+        """Before a step: where a region might fill in it, read every sparse layer's counts (one host read).
+        Where a region is short of room (below both the steps left and half the margin), lay out again every
+        layer at risk: one with a region whose free room is below what :func:`region_room` gives it now (at
+        its rate over all its tokens, or since the layer's last layout where that is higher), a region that
+        ran short getting at least twice the room it had. So the layouts change together, at few reads (under
+        CUDA graphs each such read means one new capture: the next step captures the new buffers)."""
+        remaining = self.max_cache_len - self.prompt_tokens - self.steps  # this step included
+        if self._unchecked > 0:
+            return
+        sparse = sorted(self.regions)
+        counts = torch.cat([self.layers[i][2] for i in sparse]).tolist()  # the one host read
+        self.room_reads += 1
+        tokens = self.prompt_tokens + self.steps
+        short = min(remaining, max(1, ROOM_MARGIN // 2))
+        lengths = {i: counts[j * self.batch:(j + 1) * self.batch] for j, i in enumerate(sparse)}
+        if min(self._least_free(i, lengths[i]) for i in sparse) < short:
+            self.layout_changes += 1
+            for i in sparse:
+                before = self.regions[i]
+                rooms = self._rooms(before, lengths[i], tokens, remaining)
+                if all(size - n >= room for size, n, room in zip(before.sizes, lengths[i], rooms)):
+                    continue
+                least_room = [min(remaining, 2 * (size - then)) if size - n < short else 0
+                              for size, n, then in zip(before.sizes, lengths[i], before.lengths)]
+                keys, values = self.layers[i][:2]
+                kept = [(keys[0, :, s:s + n], values[0, :, s:s + n]) for s, n in zip(before.starts, lengths[i])]
+                self.layers[i] = self._lay_out(i, kept, lengths[i], tokens, remaining, least_room=least_room)
+                self.relayouts += 1
+        self._unchecked = min([remaining] + [self._least_free(i, lengths[i]) for i in sparse])
+
+    def _rooms(self, before: Optional[RegionLayout], lengths: list[int], tokens: int, remaining: int) -> list[int]:
+        """:func:`region_room` of each sequence of a layer: at its rate over the ``tokens`` seen, or since the
+        layer's layout ``before`` where that is higher."""
+        rates = [n / max(tokens, 1) for n in lengths]
+        if before is not None and tokens > before.tokens:
+            rates = [max(rate, (n - then) / (tokens - before.tokens))
+                     for rate, n, then in zip(rates, lengths, before.lengths)]
+        return [region_room(rate, remaining, self.sparse_room) for rate in rates]
+
+    def _least_free(self, layer_idx: int, lengths: list[int]) -> int:
+        return min(size - n for size, n in zip(self.regions[layer_idx].sizes, lengths))
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a step reads or writes that outlives it."""
@@ -209,6 +363,8 @@ class StaticDecodeState:
         if self.prompt_tokens + self.steps + 1 > self.max_cache_len:
             raise ValueError(f"max_cache_len: the cache holds {self.max_cache_len} tokens a sequence and is full; "
                              "generate fewer tokens or pass a larger max_cache_len")
+        self._ensure_room()
+        self._unchecked -= 1
         self.input_ids.copy_(input_ids)
         self.positions.copy_(positions)
         if valid is None:
@@ -276,3 +432,11 @@ class StaticDecodeState:
         """Valid cached entries per layer, summed over the batch (one device read)."""
         counts = [third.sum() for third in (layer[2] for layer in self.layers)]
         return [int(c) for c in torch.stack(counts).tolist()]
+
+
+def check_sparse_room(policy) -> str:
+    if policy not in SPARSE_ROOM_POLICIES:
+        raise ValueError(f"sparse_room: the room of a sparse layer's regions is one of {', '.join(SPARSE_ROOM_POLICIES)}, "
+                         f"got {policy!r}; 'adaptive' (default) sizes it by each sequence's routing so far, 'full' "
+                         "keeps room for every token left to max_cache_len")
+    return policy
