@@ -56,6 +56,28 @@ def greedy_steps(model, cache, tokens, logits, steps):
     return torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1), torch.stack(logits, 1)
 
 
+def stepwise(model, cache, tokens, logits, steps, watch):
+    """As greedy_steps, one step at a time, with ``watch()`` after each step; returns (tokens, logits, watched)."""
+    watched = []
+    for _ in range(steps):
+        tokens, logits = greedy_steps(model, cache, tokens, logits, 1)
+        tokens, logits = tokens[:, :-1], list(logits.unbind(1))
+        watched.append(watch())
+    return *greedy_steps(model, cache, tokens, logits, 0), watched
+
+
+def graph_on_emulated_cuda(monkeypatch, state, graph=None):
+    """``state`` decodes with CUDA graphs captured and replayed by the emulator of tests/graph_replay.py
+    (``graph``: the stand-in for torch.cuda.graph, by default the emulator's over the state's buffers);
+    EmulatedCUDAGraph.captures counts from 0."""
+    from graph_replay import EmulatedCUDAGraph, emulated_graph
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedCUDAGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph or emulated_graph(state.buffers))
+    monkeypatch.setattr(EmulatedCUDAGraph, "captures", 0)
+    state.graphed = True
+
+
 def moe_routed_model(seed=0):
     """X-MoD with MoE MLPs (Top-k of 4 experts), routers calibrated to 1/K."""
     layout = layout_from_model_name("D + S4*6 + D", family="xmod")
@@ -208,7 +230,7 @@ def test_the_decode_state_captures_its_second_step_as_a_graph_and_replays_it(mon
     decode step runs eagerly, the second captures the step (a relaxed warm-up capture, then the graph
     kept) and replays it, every later step only replays (no Python of the model runs), and the tokens,
     logits and entries are the default path's."""
-    from graph_replay import EmulatedCUDAGraph, emulated_graph
+    from graph_replay import EmulatedCUDAGraph
 
     model = routed_model()
     start = prompt(2, 10, seed=12)
@@ -216,10 +238,7 @@ def test_the_decode_state_captures_its_second_step_as_a_graph_and_replays_it(mon
     cache, tokens, logits = first_fixed_step(model, start, 12)
     state = cache.static
     assert state.graph is None and state.steps == 1
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedCUDAGraph)
-    monkeypatch.setattr(torch.cuda, "graph", emulated_graph(state.buffers))
-    monkeypatch.setattr(EmulatedCUDAGraph, "captures", 0)
-    state.graphed = True
+    graph_on_emulated_cuda(monkeypatch, state)
     steps_run = []
     decode_static = model.model.decode_static
     monkeypatch.setattr(model.model, "decode_static", lambda s: steps_run.append(1) or decode_static(s))
@@ -259,12 +278,7 @@ def test_adaptive_room_reads_the_counts_rarely_and_lays_out_again_where_a_region
         _tight_room(patch)
         cache, tokens, logits = first_fixed_step(model, start, 40)
         state = cache.static
-        held = []
-        for _ in range(38):
-            tokens, logits = greedy_steps(model, cache, tokens, logits, 1)
-            tokens, logits = tokens[:, :-1], list(logits.unbind(1))
-            held.append(_regions_hold_their_entries(state))
-        tokens, logits = greedy_steps(model, cache, tokens, logits, 0)
+        tokens, logits, held = stepwise(model, cache, tokens, logits, 38, lambda: _regions_hold_their_entries(state))
     assert all(held)
     assert 0 < state.layout_changes <= state.room_reads < state.steps and state.relayouts >= state.layout_changes
     assert torch.equal(tokens, want_tokens)
@@ -281,9 +295,13 @@ def test_adaptive_room_reads_the_counts_rarely_and_lays_out_again_where_a_region
     assert sizes["adaptive"] < 0.8 * sizes["full"], sizes
 
 
-def test_a_new_layout_is_captured_again(monkeypatch):
+@pytest.mark.parametrize("capture_fails_once", [False, True])
+def test_a_new_layout_is_captured_again(monkeypatch, capture_fails_once):
     """A layer laid out again has new buffers, which a captured graph does not know: the graph is dropped and
-    the next step captures anew; the tokens, logits and entries stay the default path's."""
+    the next step captures anew, once (the state's kernels are initialised), or, where that capture fails,
+    after a warm-up capture; the tokens, logits and entries stay the default path's."""
+    import contextlib
+
     from graph_replay import EmulatedCUDAGraph, emulated_graph
 
     model = routed_model()
@@ -292,20 +310,24 @@ def test_a_new_layout_is_captured_again(monkeypatch):
     _tight_room(monkeypatch)
     cache, tokens, logits = first_fixed_step(model, start, 30)
     state = cache.static
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedCUDAGraph)
-    monkeypatch.setattr(torch.cuda, "graph", emulated_graph(state.buffers))
-    monkeypatch.setattr(EmulatedCUDAGraph, "captures", 0)
-    state.graphed = True
-    layouts = []
-    for _ in range(28):
-        before = state.relayouts
-        tokens, logits = greedy_steps(model, cache, tokens, logits, 1)
-        tokens, logits = tokens[:, :-1], list(logits.unbind(1))
-        layouts.append(state.relayouts > before)
-    tokens, logits = greedy_steps(model, cache, tokens, logits, 0)
-    # two captures (relaxed, then kept) at the first graphed step and after every step that laid out again
-    new_layouts = sum(layouts[1:])
-    assert new_layouts > 0 and EmulatedCUDAGraph.captures == 2 * (1 + new_layouts)
+    graph, failed = emulated_graph(state.buffers), []
+
+    @contextlib.contextmanager
+    def failing_once(cuda_graph, capture_error_mode="global", **kwargs):
+        if capture_fails_once and state._warm and capture_error_mode == "global" and not failed:
+            failed.append(1)
+            raise RuntimeError("operation not permitted when stream is capturing")
+        with graph(cuda_graph, capture_error_mode=capture_error_mode, **kwargs):
+            yield
+
+    graph_on_emulated_cuda(monkeypatch, state, failing_once)
+    tokens, logits, changes = stepwise(model, cache, tokens, logits, 28, lambda: state.layout_changes)
+    # two captures (relaxed, then kept) at the first graphed step, one after every step that laid out again,
+    # and a failed one's warm-up
+    new_layouts = changes[-1] - changes[0]
+    assert new_layouts > 1 and len(failed) == capture_fails_once
+    assert EmulatedCUDAGraph.captures == 2 + new_layouts + capture_fails_once
+    assert state.graph.capture_error_mode == "global"
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
     assert state.entries() == want_cache.entries()
@@ -317,17 +339,14 @@ def test_a_later_generation_refills_the_models_decode_state_and_replays_its_grap
     captured by the first one from its first step (no capture, no Python of the model), with the default
     path's tokens; the cache that held the buffers before is released (refused afterwards), and a
     generation that does not fit (another batch size) gets a state of its own."""
-    from graph_replay import EmulatedCUDAGraph, emulated_graph
+    from graph_replay import EmulatedCUDAGraph
 
     model = routed_model()
     first, later = prompt(2, 10, seed=18), prompt(2, 10, seed=18)[:, :8]
     want_tokens, want_logits, _ = cached(model, later, 12)
     cache, tokens, logits = first_fixed_step(model, first, 12)
     state = cache.static
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedCUDAGraph)
-    monkeypatch.setattr(torch.cuda, "graph", emulated_graph(lambda: model.model.static_decode_state.buffers()))
-    monkeypatch.setattr(EmulatedCUDAGraph, "captures", 0)
-    state.graphed = True
+    graph_on_emulated_cuda(monkeypatch, state)
     greedy_steps(model, cache, tokens, logits, 4)
     assert EmulatedCUDAGraph.captures == 2 and model.model.static_decode_state is state
     steps_run = []

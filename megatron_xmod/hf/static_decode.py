@@ -130,6 +130,7 @@ class StaticDecodeState:
         self.batch, self.device, self._entry = entry[0], entry[5], entry
         self.graph = None
         self._capturing = None  # the CUDA graph being captured, whose IF nodes branch() opens
+        self._warm = False  # a capture of this state's step succeeded: its kernels are initialised
         # per sparse layer, the host's copy of its layout: each region's start and size (entries + room)
         self.regions: dict[int, RegionLayout] = {}
         self.layers: list[tuple[torch.Tensor, ...]] = [None] * len(cache.layers)
@@ -388,7 +389,9 @@ class StaticDecodeState:
         """Capture ``run`` (one step writing ``self.hidden``) as a CUDA graph. The layers that routed no token
         in the eager steps have not run their kernels yet: a first, relaxed capture into a graph that is
         thrown away initialises them (a capture executes nothing, so the state is untouched), as torch's own
-        ``ControlFlowOpWarmupDispatchMode`` warms both sides of a ``torch.cond``."""
+        ``ControlFlowOpWarmupDispatchMode`` warms both sides of a ``torch.cond``. A later capture of the same
+        state (its buffers laid out again, or refilled by another generation) has every kernel initialised
+        and captures once, falling back to the warm-up if that capture fails."""
         def body():
             self.hidden.copy_(run(self))
 
@@ -399,15 +402,25 @@ class StaticDecodeState:
             if self.device.type == "cuda":
                 stream = torch.cuda.Stream(self.device)
                 torch.cuda.synchronize(self.device)
-            for mode in ("relaxed", "global"):
-                graph = torch.cuda.CUDAGraph()
-                self._capturing = graph
+            if self._warm:
                 try:
-                    with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
-                        body()
-                finally:
-                    self._capturing = None
-        self.graph = graph
+                    self.graph = self._captured(body, stream, "global")
+                    return
+                except RuntimeError:
+                    pass
+            self._captured(body, stream, "relaxed")
+            self.graph = self._captured(body, stream, "global")
+            self._warm = True
+
+    def _captured(self, body, stream, mode: str):
+        graph = torch.cuda.CUDAGraph()
+        self._capturing = graph
+        try:
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
+                body()
+        finally:
+            self._capturing = None
+        return graph
 
     def _on_device(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
