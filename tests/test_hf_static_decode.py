@@ -458,19 +458,19 @@ def test_gpu_fixed_shape_decode_replays_one_cuda_graph_without_host_reads():
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-4)
     assert cache.static.entries() == want_cache.entries()
     # a later generation (a prefix of the prompt: every region fits) refills the state and replays the same graph
-    graph = cache.static.graph
+    state, graph = cache.static, cache.static.graph
     want_tokens, want_logits, _ = cached(model, start[:, :9], 10)
-    again = XModCache(model.config, max_cache_len=28)
+    again = XModCache(model.config, max_cache_len=25)  # 16 tokens of room, as the first generation had
     with torch.no_grad():
         logits = [model(start[:, :9], cache=again).logits[:, -1]]
     with SyncCounter() as syncs:  # the refill and nine replayed steps
         tokens, logits = greedy_steps(model, again, start[:, :9], logits, 9)
     torch.cuda.synchronize()
-    assert again.static is cache.static and again.static.graph is graph
+    assert again.static is state and state.graph is graph and cache.static is None  # the first cache released
     assert syncs.count == 0, syncs.summary()
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-4)
-    model.model.static_decode_state = None
+    model.model.static_decode_state = None  # the next cache builds a state of its own
     with pytest.MonkeyPatch.context() as patch:  # a fresh state: the kernel ran inside the captured step
         patch.setattr(regions, "region_attention_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
         static_cached(model, start, 4)
