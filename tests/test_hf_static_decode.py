@@ -358,8 +358,9 @@ def test_a_later_generation_refills_the_models_decode_state_and_replays_its_grap
     assert again.static is state and EmulatedCUDAGraph.captures == 2 and not steps_run
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="handed to a newer fixed-shape cache"), torch.no_grad():
-        model(tokens[:, -1:], cache=cache)
+    for tokens_fed in (tokens[:, -1:], tokens[:, -3:]):  # a decode step, a pass of several tokens
+        with pytest.raises(ValueError, match="buffers were handed to a newer fixed-shape cache"), torch.no_grad():
+            model(tokens_fed, cache=cache)
     wider = prompt(3, 8, seed=19)
     _, _, other = cached(model, wider, 3, XModCache(model.config, max_cache_len=20))
     assert other.static is not state and again.static is state and model.model.static_decode_state is other.static

@@ -456,11 +456,7 @@ class XModCache(Cache):
         generation of the model, refilled with these entries where it can take them
         (:meth:`StaticDecodeState.refill`: its buffers and captured graph kept), else left alone."""
         if self.static is None:
-            if self._released:
-                raise ValueError("cache: its fixed-shape buffers were handed to a newer fixed-shape cache of the same "
-                                 "model (a model reuses one fixed-shape decode state, and its captured graph, from "
-                                 "one generation to the next); continue that generation, or start a new one with a "
-                                 "new cache")
+            self._refuse_when_released("a decode step")
             settings = (self.graphed, one_device, self.sparse_room)
             if reuse is not None and reuse.refill(self, self.max_cache_len, *settings):
                 self.static = reuse
@@ -474,7 +470,15 @@ class XModCache(Cache):
         """Give up the fixed-shape buffers (a newer cache of the model took them over): later passes are refused."""
         self.static, self._released = None, True
 
+    def _refuse_when_released(self, what: str) -> None:
+        if self._released:
+            raise ValueError(f"{what}: this cache's fixed-shape buffers were handed to a newer fixed-shape cache of "
+                             "the same model (a model reuses one fixed-shape decode state, and its captured graph, "
+                             "from one generation to the next); continue that generation, or start a new one with "
+                             "a new cache")
+
     def _refuse_when_static(self, what: str) -> None:
+        self._refuse_when_released(what)
         if self.static is not None:
             raise ValueError(f"{what}: a fixed-shape cache (max_cache_len) keeps its batch and entries in place; "
                              "beam search, assisted decoding and crop need XModCache without max_cache_len")
@@ -567,7 +571,7 @@ class XModCache(Cache):
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
-        self.static = None
+        self.static, self._released = None, False
         self.seen_tokens = 0
         self._passes = []
 
