@@ -219,6 +219,9 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                     model.model.decode_skips_unrouted = True
                     if fixed_shape and not isinstance(outputs.get((name, "fixed")), Exception):
                         try:  # a failed capture (the first GPU run of it) is a result, not the end of the run
+                            # a new state every time: the first two steps build its buffers and capture its graph,
+                            # where a state kept from the last generation would be refilled (static_decode.py)
+                            model.model.static_decode_state = None
                             _, token, cache = time_prefill(model, prompt, device, capacity, sparse_room)
                             if device.type == "cuda":  # what the capture adds (e.g. a cuBLAS workspace a stream)
                                 torch.cuda.reset_peak_memory_stats(device)

@@ -260,8 +260,9 @@ def _tight_room(monkeypatch):
 
 
 def _regions_hold_their_entries(state) -> bool:
-    """Every sparse region's count within its size (no entry written past the region)."""
-    return all(n <= size for i, layout in state.regions.items()
+    """Every sparse region's count within its size, with at least the free room the host counts on for the
+    steps it will not check (no entry written past the region)."""
+    return all(0 <= state._unchecked <= size - n for i, layout in state.regions.items()
                for n, size in zip(state.layers[i][2].tolist(), layout.sizes))
 
 
@@ -358,12 +359,38 @@ def test_a_later_generation_refills_the_models_decode_state_and_replays_its_grap
     assert again.static is state and EmulatedCUDAGraph.captures == 2 and not steps_run
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
-    for tokens_fed in (tokens[:, -1:], tokens[:, -3:]):  # a decode step, a pass of several tokens
+    for use in (lambda: model(tokens[:, -1:], cache=cache), lambda: model(tokens[:, -3:], cache=cache),
+                cache.entries, cache.nbytes):  # a decode step, a pass of several tokens, the cache's counts
         with pytest.raises(ValueError, match="buffers were handed to a newer fixed-shape cache"), torch.no_grad():
-            model(tokens_fed, cache=cache)
+            use()
     wider = prompt(3, 8, seed=19)
     _, _, other = cached(model, wider, 3, XModCache(model.config, max_cache_len=20))
     assert other.static is not state and again.static is state and model.model.static_decode_state is other.static
+
+
+def test_a_refill_takes_only_what_its_graph_was_captured_for():
+    """A refill keeps a graph that holds parameter addresses and configuration constants: a model whose
+    parameters were replaced (not updated in place) gets a new state. A cache that gave the state up (reset,
+    a new prompt not decoded yet) is not released when another cache takes it. A copy of the model does not
+    carry the state (device buffers, a CUDA graph)."""
+    import copy
+
+    model = routed_model()
+    start = prompt(2, 10, seed=20)
+    _, _, first = static_cached(model, start, 4, max_cache_len=20)
+    state = first.static
+    first.reset()
+    with torch.no_grad():  # the reset cache's new prompt, not decoded yet
+        token = model(start[:, :6], cache=first).logits[:, -1:].argmax(-1)
+    _, _, second = static_cached(model, start, 4, max_cache_len=20)
+    assert second.static is state and not first._released
+    with torch.no_grad():  # the first cache decodes again: it takes the state back from the second
+        model(token, cache=first)
+    assert first.static is state and second._released
+    assert copy.deepcopy(model).model.static_decode_state is None and model.model.static_decode_state is state
+    model.model.norm.weight = torch.nn.Parameter(model.model.norm.weight.detach().clone())
+    _, _, third = static_cached(model, start, 4, max_cache_len=20)
+    assert third.static is not state and not first._released
 
 
 def region_case(seed=0, dtype=torch.float32):

@@ -419,7 +419,8 @@ class XModCache(Cache):
     ``get_seq_length`` counts tokens seen (not entries).
 
     ``max_cache_len``: decode on fixed-shape buffers for that many tokens a sequence (prompt included;
-    :class:`StaticDecodeState`, built from this cache's entries at the first decode step; ``graphed``: capture
+    :class:`StaticDecodeState`, built from this cache's entries at the first decode step, or the model's
+    state of an earlier generation refilled with them; ``graphed``: capture
     the step as a CUDA graph, by default where the GPU and torch can; ``sparse_room``: "adaptive" or "full",
     the room of the sparse layers' regions, static_decode.py). What generate's greedy search and
     sampling need works on it; beam search, assisted decoding and ``crop`` need the default cache."""
@@ -449,19 +450,20 @@ class XModCache(Cache):
         self._refuse_when_static("update")
         return self.layers[layer_idx].update(key_states, value_states, valid, positions, rows, self.sequences)
 
-    def static_state(self, one_device: bool = True, reuse: Optional[StaticDecodeState] = None) -> StaticDecodeState:
+    def static_state(self, one_device: bool = True, reuse: Optional[StaticDecodeState] = None,
+                     model=None) -> StaticDecodeState:
         """The fixed-shape decode buffers (``max_cache_len``), built from the entries so far at the first
         call; the per-layer caches are emptied then (their entries live in the buffers). ``one_device``: the
         model's parameters are on one device (a CUDA graph captures one). ``reuse``: the state of an earlier
-        generation of the model, refilled with these entries where it can take them
+        generation of ``model``, refilled with these entries where it can take them
         (:meth:`StaticDecodeState.refill`: its buffers and captured graph kept), else left alone."""
         if self.static is None:
             self._refuse_when_released("a decode step")
             settings = (self.graphed, one_device, self.sparse_room)
-            if reuse is not None and reuse.refill(self, self.max_cache_len, *settings):
+            if reuse is not None and reuse.refill(self, self.max_cache_len, *settings, model=model):
                 self.static = reuse
             else:
-                self.static = StaticDecodeState(self, self.max_cache_len, *settings)
+                self.static = StaticDecodeState(self, self.max_cache_len, *settings, model=model)
             for layer in self.layers:
                 layer.reset()
         return self.static
@@ -578,6 +580,7 @@ class XModCache(Cache):
     def nbytes(self, valid_only: bool = False, allocated: bool = False) -> dict:
         """Cache bytes: ``{"sparse": ..., "dense": ..., "total": ..., "per_layer": [...]}`` (see
         :meth:`SparseKVLayer.nbytes`)."""
+        self._refuse_when_released("nbytes")
         if self.static is not None:
             return self.static.nbytes(valid_only, allocated)
         per_layer = [layer.nbytes(valid_only, allocated) for layer in self.layers]
@@ -586,6 +589,7 @@ class XModCache(Cache):
 
     def entries(self) -> list[int]:
         """Valid cached entries per layer (summed over the batch)."""
+        self._refuse_when_released("entries")
         if self.static is not None:
             return self.static.entries()
         return [sum(layer.entries_per_sequence()) for layer in self.layers]

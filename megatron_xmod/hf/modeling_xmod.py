@@ -497,9 +497,15 @@ class XModModel(XModPreTrainedModel):
         # False runs every sparse layer's own routing at every step (the path before it, for comparison).
         self.decode_skips_unrouted = True
         # The last fixed-shape decode's buffers and CUDA graph (static_decode.py), refilled by the next
-        # generation where they fit it, as transformers keeps a model's static cache; None frees them.
+        # generation where they fit it, as transformers keeps a model's static cache; None drops the model's
+        # reference (the cache that holds the state keeps it). Not copied or pickled with the model.
         self.static_decode_state: Optional[StaticDecodeState] = None
         self.post_init()
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state["static_decode_state"] = None  # device buffers and a CUDA graph: a copy starts without them
+        return state
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -567,7 +573,7 @@ class XModModel(XModPreTrainedModel):
                 raise ValueError("inputs_embeds: a fixed-shape decode step (XModCache(max_cache_len=...)) takes "
                                  "input_ids; decode with a cache without max_cache_len to pass embeddings")
             state = cache.static or cache.static_state(one_device=len({p.device for p in self.parameters()}) == 1,
-                                                       reuse=self.static_decode_state)
+                                                       reuse=self.static_decode_state, model=self)
             self.static_decode_state = state  # the next generation refills it: its buffers and graph are kept
             hidden = state.step(self.decode_static, input_ids, position_ids, valid)
             cache.advance(1)

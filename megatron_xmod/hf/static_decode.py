@@ -122,15 +122,16 @@ class StaticDecodeState:
     :class:`~cache.XModCache`; ``max_cache_len``: the tokens a sequence may reach, prompt included."""
 
     def __init__(self, cache, max_cache_len: int, graphed: Optional[bool] = None, one_device: bool = True,
-                 sparse_room: str = "adaptive"):
+                 sparse_room: str = "adaptive", model=None):
         check_sparse_room(sparse_room)
         entry, seen = self._prompt(cache, max_cache_len)
+        self.model = model_fingerprint(model)  # what refill checks a later generation's model against
         self.sparse_room, self.requested = sparse_room, (graphed, one_device, sparse_room)
         self.sparse = [layer.sparse for layer in cache.layers]
         self.batch, self.device, self._entry = entry[0], entry[5], entry
         self.graph = None
         self._capturing = None  # the CUDA graph being captured, whose IF nodes branch() opens
-        self._warm = False  # a capture of this state's step succeeded: its kernels are initialised
+        self._warm = False  # a capture of this state's step succeeded: lazy initialisations are done
         # per sparse layer, the host's copy of its layout: each region's start and size (entries + room)
         self.regions: dict[int, RegionLayout] = {}
         self.layers: list[tuple[torch.Tensor, ...]] = [None] * len(cache.layers)
@@ -191,20 +192,23 @@ class StaticDecodeState:
         self.steps = 0
 
     def refill(self, cache, max_cache_len: int, graphed: Optional[bool] = None, one_device: bool = True,
-               sparse_room: str = "adaptive") -> bool:
+               sparse_room: str = "adaptive", model=None) -> bool:
         """Take over ``cache``'s prefilled entries (a later generation of the same model, whose
         ``XModModel.static_decode_state`` this is) into these buffers, keeping the captured graph where every
         buffer holds the new prompt's entries in place (a sparse layer whose regions do not fit gets new buffers,
         and the next step captures again). False, nothing changed, where the new generation differs in batch,
         KV shape, dtype, device, layers or settings, or needs more than the dense layers' ``max_cache_len``
-        columns. The cache that held the buffers before is released (:meth:`XModCache.release_static`)."""
+        columns, or where ``model`` (the module whose step the graph captured) has other parameter tensors or
+        another configuration than when the state was built (a graph holds the addresses and constants it
+        captured). The cache that held the buffers before, if it still does, is released
+        (:meth:`XModCache.release_static`)."""
         entry, seen = self._prompt(cache, max_cache_len)
         if (entry != self._entry or [layer.sparse for layer in cache.layers] != self.sparse
-                or (graphed, one_device, sparse_room) != self.requested
+                or (graphed, one_device, sparse_room) != self.requested or model_fingerprint(model) != self.model
                 or any(not sparse and buffers[0].shape[2] < max_cache_len
                        for sparse, buffers in zip(self.sparse, self.layers))):
             return False
-        if self.owner is not None and self.owner is not cache:
+        if self.owner is not None and self.owner is not cache and self.owner.static is self:
             self.owner.release_static()
         self._fill(cache, max_cache_len, seen)
         self.owner = cache
@@ -359,8 +363,10 @@ class StaticDecodeState:
     def step(self, run: Callable[[StaticDecodeState], torch.Tensor], input_ids: torch.Tensor,
              positions: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
         """One decode step: ``run(self)`` computes it from the input buffers and returns the final hidden
-        states. Eager for the first step; with ``graphed`` the second step captures ``run`` as one CUDA graph
-        and every step from then on replays it. Returns the output buffer (overwritten by the next step)."""
+        states. Eager for the first step of a new state; with ``graphed`` the second step captures ``run`` as
+        one CUDA graph and every step from then on replays it, until a new layout of a sparse layer drops the
+        graph (the next step captures again); a refilled state whose buffers all stayed replays from its first
+        step. Returns the output buffer (overwritten by the next step)."""
         if self.prompt_tokens + self.steps + 1 > self.max_cache_len:
             raise ValueError(f"max_cache_len: the cache holds {self.max_cache_len} tokens a sequence and is full; "
                              "generate fewer tokens or pass a larger max_cache_len")
@@ -403,11 +409,13 @@ class StaticDecodeState:
                 stream = torch.cuda.Stream(self.device)
                 torch.cuda.synchronize(self.device)
             if self._warm:
+                current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
                 try:
                     self.graph = self._captured(body, stream, "global")
                     return
                 except RuntimeError:
-                    pass
+                    if current is not None:  # a failed capture's exit may leave its capture stream current
+                        torch.cuda.set_stream(current)
             self._captured(body, stream, "relaxed")
             self.graph = self._captured(body, stream, "global")
             self._warm = True
@@ -453,3 +461,13 @@ def check_sparse_room(policy) -> str:
                          f"got {policy!r}; 'adaptive' (default) sizes it by each sequence's routing so far, 'full' "
                          "keeps room for every token left to max_cache_len")
     return policy
+
+
+def model_fingerprint(model) -> Optional[tuple]:
+    """What a captured decode step depends on besides the state's buffers: the addresses of ``model``'s
+    parameters and its configuration (None: no model given)."""
+    if model is None:
+        return None
+    config = getattr(model, "config", None)
+    return (tuple(p.data_ptr() for p in model.parameters()),
+            None if config is None else repr(sorted(config.to_dict().items(), key=lambda kv: kv[0])))
