@@ -184,8 +184,11 @@ class LayoutSpecLayer(TransformerLayer):
         if layer_number == last_layer:
             first = position + 2 - layer_number
             routed = sum(layer.is_sparse for layer in layout.layers[first - 1 : position + 1])
-            print(f"[xmod] --spec built layers {first}-{position + 1} of {layout.num_layers} ({routed} routed, "
-                  f"{layout.family}): {layout.notation}", flush=True)
+            # one write: every stage prints this line, and under PYTHONUNBUFFERED print()'s text and
+            # newline are two writes that another process's line can fall between
+            sys.stdout.write(f"[xmod] --spec built layers {first}-{position + 1} of {layout.num_layers} "
+                             f"({routed} routed, {layout.family}): {layout.notation}\n")
+            sys.stdout.flush()
         if not layout.layers[position].is_sparse:
             return TransformerLayer(config, submodules, layer_number, **kwargs)
         layer = XModSparseLayer(config, submodules, layer_number, routing=xmod.routing_at(position), **kwargs)
