@@ -441,6 +441,8 @@ def main(argv=None):
                    help="also decode with the fixed-shape cache (XModCache(max_cache_len=...); a CUDA graph on a GPU)")
     p.add_argument("--sparse-room", choices=("adaptive", "full"), default="adaptive",
                    help="with --fixed-shape: the room of the sparse layers' regions (static_decode.py)")
+    p.add_argument("--prefill-attention", choices=("auto", "batched", "per_sequence"), default="auto",
+                   help="how a sparse layer's threshold-routed tokens of a batch attend (XModModel.prefill_attention)")
     p.add_argument("--long-contexts", type=int, nargs="*", default=[],
                    help="also decode from a synthetic cache of this many tokens (no prefill; see synthetic_cache)")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
@@ -458,7 +460,8 @@ def main(argv=None):
     def write(rows):
         meta = dict(date=datetime.date.today().isoformat(), machine=machine_name(device), commit=git_commit(),
                     torch=torch.__version__, dtype="fp32", hidden=args.hidden, new_tokens=args.new_tokens,
-                    repeats=args.repeats, loadavg_start=loadavg_start, loadavg=loadavg(), steady_malloc=steady_malloc)
+                    repeats=args.repeats, loadavg_start=loadavg_start, loadavg=loadavg(), steady_malloc=steady_malloc,
+                    prefill_attention=args.prefill_attention)
         (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         (out / f"{stem}.md").write_text(render_markdown(meta, rows))
         plot(rows, out / f"{stem}.png")
@@ -466,6 +469,8 @@ def main(argv=None):
 
     longest = max(args.prompts + args.long_contexts) + args.new_tokens + 8
     built = build_models(args.models, args.hidden, longest, min(512, max(args.prompts, default=512)), device)
+    for model, _ in built.values():
+        model.model.prefill_attention = args.prefill_attention
     rows = measure(built, args.prompts, args.batches, args.new_tokens, args.repeats, device, after_each=write,
                    per_layer_decode=args.per_layer_decode, fixed_shape=args.fixed_shape, sparse_room=args.sparse_room)
     if args.long_contexts:

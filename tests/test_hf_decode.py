@@ -270,6 +270,62 @@ def test_batched_prefill_runs_each_sequences_routed_tokens_only():
         torch.testing.assert_close(logits[row], alone[0], rtol=0, atol=1e-5)
 
 
+def _prefill_counting_attention_calls(model, mode, monkeypatch, *args, **kwargs):
+    """(output, cache, scaled_dot_product_attention calls) of one pass with ``prefill_attention = mode``."""
+    import torch.nn.functional as F
+
+    calls, attention = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
+    model.model.prefill_attention = mode
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", attention)
+    return out, kwargs.get("cache"), len(calls)
+
+
+def test_batched_prefill_attention_is_one_call_a_layer_and_equals_sequence_by_sequence(monkeypatch):
+    """prefill_attention="batched" (the default on a GPU): a sparse layer's routed tokens of a left-padded
+    batch attend in one call, padded to the busiest sequence, where "per_sequence" makes one call a
+    sequence that routes a token; same logits (1e-5), same entries in every sequence's cache, the same
+    greedy continuation; packed documents (no cache) score alike; a wrong mode is named."""
+    model = routed_model()
+    prompts = [prompt(1, 40, seed=5)[0], prompt(1, 12, seed=6)[0], prompt(1, 31, seed=7)[0], prompt(1, 22, seed=8)[0]]
+    batch, mask = left_padded(prompts, PAD)
+    runs = {mode: _prefill_counting_attention_calls(model, mode, monkeypatch, batch, attention_mask=mask,
+                                                    cache=XModCache(model.config))
+            for mode in ("per_sequence", "batched")}
+    (loop, loop_cache, loop_calls), (one, one_cache, one_calls) = runs["per_sequence"], runs["batched"]
+    sparse = [i for i, layer in enumerate(model.model.layers) if layer.sparse]
+    routing = [sum(fill > 0 for fill in loop_cache.layers[i].fills) for i in sparse]  # sequences routing a token
+    dense = len(model.model.layers) - len(sparse)
+    assert sum(routing) > 2 * len(sparse)  # most layers route tokens of several sequences
+    assert loop_calls == dense + sum(routing)
+    assert one_calls == dense + sum(count > 0 for count in routing)
+    valid = mask.bool()
+    torch.testing.assert_close(one.logits[valid], loop.logits[valid], rtol=0, atol=1e-5)
+    for i in sparse:
+        assert one_cache.layers[i].fills == loop_cache.layers[i].fills
+        for row in range(len(prompts)):
+            for a, b in zip(one_cache.layers[i].sequence(row), loop_cache.layers[i].sequence(row)):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    tokens = {}
+    for mode in ("per_sequence", "batched"):
+        model.model.prefill_attention = mode
+        with torch.no_grad():
+            tokens[mode] = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(tokens["batched"], tokens["per_sequence"])
+
+    documents = torch.cat([prompt(1, 9, seed=11), prompt(1, 13, seed=12)], dim=1).expand(3, -1)
+    positions = torch.cat([torch.arange(9), torch.arange(13)])[None]
+    packed = {mode: _prefill_counting_attention_calls(model, mode, monkeypatch, documents, position_ids=positions)[0]
+              for mode in ("per_sequence", "batched")}
+    torch.testing.assert_close(packed["batched"].logits, packed["per_sequence"].logits, rtol=0, atol=1e-5)
+
+    model.model.prefill_attention = "padded"
+    with pytest.raises(ValueError, match="prefill_attention: 'padded' is not one of auto, batched, per_sequence"):
+        model(batch[:, :4])
+
+
 def test_cache_appends_write_into_preallocated_buffers():
     """A decode step writes its entries into the layer's buffers (no copy of the cache per token) until
     they are full; then they grow, keeping every entry."""

@@ -49,6 +49,7 @@ except ImportError:  # inside the megatron_xmod package
         update_token_choice_bias,
     )
 
+PREFILL_ATTENTION = ("auto", "batched", "per_sequence")  # XModModel.prefill_attention
 # transformers 5 names the cache "cache"; 4.x named it "past_key_values".
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
@@ -150,6 +151,41 @@ class XModAttention(nn.Module):
         else:
             out = self._attend(q, k, v, valid, positions, cache, documents, rows, causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, m, self.heads * self.head_dim))
+
+    def attend_packed(self, x: torch.Tensor, counts: list[int], slots: torch.Tensor, positions: torch.Tensor,
+                      rope: tuple[torch.Tensor, torch.Tensor], documents: Optional[torch.Tensor] = None,
+                      cache: Optional[XModCache] = None) -> torch.Tensor:
+        """Attention of a first pass's routed tokens ``x`` ``[t, h]``, packed sequence by sequence (``counts[i]``
+        tokens of sequence i, in order; nothing cached before this pass), in one call for the whole batch:
+        projections, norms and RoPE on the packed tokens, then ``scaled_dot_product_attention`` over a
+        ``[b, max(counts)]`` batch in which sequence i's tokens take the first ``counts[i]`` places (``slots``
+        ``[t]``: each packed token's place, row-major), so that plain causal attention keeps them causal and
+        away from the padding after them; with ``documents`` ``[t]`` also inside their document. The cache,
+        if any, appends each sequence's entries as they are (no padding). Returns ``[t, h]``."""
+        b, width = len(counts), max(counts)
+        q, k, v = (t[0].transpose(0, 1) for t in self.project(x[None], tuple(t[None] for t in rope)))  # [t, heads, d]
+        if cache is not None:
+            start = 0
+            for row, count in enumerate(counts):
+                if count:  # views of the packed entries: the cache copies them into its buffer of the sequence
+                    entries = slice(start, start + count)
+                    cache.update(k[entries].transpose(0, 1)[None], v[entries].transpose(0, 1)[None], self.layer_idx,
+                                 None, positions[None, entries], [row])
+                    start += count
+
+        def batched(t: torch.Tensor) -> torch.Tensor:  # [t, ...] -> [b, width, ...], zeros in the padding
+            return t.new_zeros(b * width, *t.shape[1:]).index_copy_(0, slots, t).view(b, width, *t.shape[1:])
+
+        allowed = None
+        if documents is not None:
+            document = batched(documents)  # a padding place's 0 matters not: no real token attends past its own
+            causal_order = torch.ones(width, width, dtype=torch.bool, device=x.device).tril()
+            allowed = (causal_order & (document[:, :, None] == document[:, None, :])).unsqueeze(1)
+        q, k, v = (batched(t).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None,
+                                             scale=1.0 / math.sqrt(self.head_dim), enable_gqa=self.heads != self.groups)
+        out = out.transpose(1, 2).reshape(b * width, self.heads * self.head_dim).index_select(0, slots)
+        return self.o_proj(out)
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Queries, keys and values ``[b, heads, m, d]`` of ``x`` ``[b, m, h]`` (QK-norm, then RoPE ``(cos, sin)``)."""
@@ -337,7 +373,7 @@ class XModDecoderLayer(nn.Module):
         return attention, self.mlp(normed, every_expert=True) if self.config.is_moe else self.mlp(normed)
 
     def forward(self, x, positions, valid, cache=None, carried_bias=None, rule="threshold", routes_one=False,
-                documents=None, rope=None, routed=None, causal=False, in_place=False):
+                documents=None, rope=None, routed=None, causal=False, in_place=False, batched_attention=False):
         """Returns (x, token-choice bias after this layer or None for a dense layer). ``documents``:
         the document of each token of a packed input (attention stays inside it). ``causal``: a pass
         with nothing cached before it and no padding (:meth:`XModAttention.forward`).
@@ -347,7 +383,8 @@ class XModDecoderLayer(nn.Module):
         without reading the selection back from the device. ``routed``: ``(selected, rows, row_index)`` of a
         decode step whose routing the model decided already (:meth:`_forward_routed`). ``in_place``: the caller
         owns ``x`` and needs no gradient: the residual update is written into ``x`` (a sparse layer's routed
-        rows without a copy of every row)."""
+        rows without a copy of every row). ``batched_attention``: a pass's threshold-routed tokens of several
+        sequences attend in one call (:meth:`_forward_ragged`)."""
         if routed is not None:
             return self._forward_routed(x, positions, valid, cache, carried_bias, rope, *routed, in_place=in_place)
         if not self.sparse:
@@ -366,7 +403,7 @@ class XModDecoderLayer(nn.Module):
         else:
             first_pass = documents is None and (cache is None or cache.get_seq_length() == 0)
             return self._forward_ragged(x, positions, valid, cache, decision, documents, rope, first_pass,
-                                        in_place), bias
+                                        in_place, batched_attention), bias
         indices = indices.t()  # [b, k]
         keep = torch.ones_like(indices, dtype=torch.bool) if keep is None else keep.t()
         routed = torch.gather(x, 1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
@@ -385,11 +422,14 @@ class XModDecoderLayer(nn.Module):
         rows = indices.unsqueeze(-1).expand(-1, -1, x.shape[-1])
         return (x.scatter_add_(1, rows, update) if in_place else x.scatter_add(1, rows, update)), bias
 
-    def _forward_ragged(self, x, positions, valid, cache, decision, documents, rope, first_pass, in_place=False):
+    def _forward_ragged(self, x, positions, valid, cache, decision, documents, rope, first_pass, in_place=False,
+                        batched=False):
         """The threshold rule's routed tokens of a pass, each sequence's own (padding tokens, ``valid``
-        False, take no part): attention runs sequence by sequence on its routed tokens (the cache appends
-        its entries), the norms and the MLP on all of them packed, so no sequence computes padding up to
-        the busiest one's count (at batch 8 a sparse layer's busiest sequence routed up to ~3x the mean).
+        False, take no part): the norms, projections and MLP run on all of them packed, so no sequence
+        computes padding up to the busiest one's count (at batch 8 a sparse layer's busiest sequence routed
+        up to ~3x the mean); attention runs sequence by sequence on its routed tokens (the cache appends
+        its entries), or, ``batched`` and nothing cached before this pass, in one call over the batch padded
+        to the busiest sequence (:meth:`XModAttention.attend_packed`: one launch, not one a sequence).
         One device read: the routed tokens a sequence. ``first_pass``: nothing cached before this pass and
         one document a row, so each sequence's routed tokens attend causally without a mask."""
         cfg = self.config
@@ -407,16 +447,24 @@ class XModDecoderLayer(nn.Module):
         cos, sin = (t.reshape(b * n, -1).index_select(0, picked) for t in rope)
         token_documents = None if documents is None else documents.reshape(-1).index_select(0, picked)
         normed = self.input_layernorm(tokens)
-        attention, start = [], 0
-        for row, count in enumerate(counts):
-            if count:
-                part = slice(start, start + count)
-                attention.append(self.self_attn(
-                    normed[None, part], token_positions[None, part], None, cache,
-                    None if token_documents is None else token_documents[None, part], rows=[row],
-                    rope=(cos[None, part], sin[None, part]), causal=first_pass))
-                start += count
-        attention = torch.cat(attention, dim=1)[0]  # [routed tokens, h]
+        if batched and b > 1 and (cache is None or cache.get_seq_length() == 0):
+            # each routed token's place in a [b, max(counts)] batch: its sequence's row, its rank among the
+            # sequence's routed tokens (the packed order, read from selected on the device)
+            ranks = selected.cumsum(1) - 1 + torch.arange(b, device=x.device)[:, None] * max(counts)
+            slots = ranks.reshape(-1).index_select(0, picked)
+            attention = self.self_attn.attend_packed(normed, counts, slots, token_positions, (cos, sin),
+                                                     token_documents, cache)
+        else:
+            attention, start = [], 0
+            for row, count in enumerate(counts):
+                if count:
+                    part = slice(start, start + count)
+                    attention.append(self.self_attn(
+                        normed[None, part], token_positions[None, part], None, cache,
+                        None if token_documents is None else token_documents[None, part], rows=[row],
+                        rope=(cos[None, part], sin[None, part]), causal=first_pass))
+                    start += count
+            attention = torch.cat(attention, dim=1)[0]  # [routed tokens, h]
         mlp = self.mlp(self.post_attention_layernorm(tokens + attention))
         r = torch.sigmoid(decision.scores.t().reshape(-1).index_select(0, picked)).to(x.dtype)
         # Eq.(7) x + varsigma * r * (a + f), or Eq.(6) x + a + r * f (MoD)
@@ -496,6 +544,10 @@ class XModModel(XModPreTrainedModel):
         # Decode steps skip the sparse layers that route none of the new tokens (_decode_sparse_run);
         # False runs every sparse layer's own routing at every step (the path before it, for comparison).
         self.decode_skips_unrouted = True
+        # How a pass's threshold-routed tokens of several sequences attend in a sparse layer: "batched" (one
+        # call over the batch padded to the busiest sequence: one launch a layer, what a GPU pays for),
+        # "per_sequence" (one call a sequence: no padding's FLOPs, what a CPU pays for), "auto": batched on a GPU
+        self.prefill_attention = "auto"
         # The last fixed-shape decode's buffers and CUDA graph (static_decode.py), refilled by the next
         # generation where they fit it, as transformers keeps a model's static cache; None drops the model's
         # reference (the cache that holds the state keeps it). Not copied or pickled with the model.
@@ -580,6 +632,9 @@ class XModModel(XModPreTrainedModel):
             return hidden.clone(), cache
         if cache is not None:
             cache.begin_pass(b, position_ids, valid)
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention: {self.prefill_attention!r} is not one of {', '.join(PREFILL_ATTENTION)}")
+        batched = self.prefill_attention == "batched" or (self.prefill_attention == "auto" and x.device.type != "cpu")
         rope = rotary_tables(cfg, position_ids, x.dtype)
         # a first pass over one document a row without padding: causal attention without a mask
         causal = past == 0 and n > 1 and documents is None and valid is None
@@ -591,7 +646,8 @@ class XModModel(XModPreTrainedModel):
                 i, x, bias = self._decode_sparse_run(i, x, position_ids, valid, cache, rope, in_place)
                 continue
             x, bias = self.layers[i](x, position_ids, valid, cache, bias if cfg.carries_bias(i) else None, rule,
-                                     documents=documents, rope=rope, causal=causal, in_place=in_place)
+                                     documents=documents, rope=rope, causal=causal, in_place=in_place,
+                                     batched_attention=batched)
             i += 1
         if cache is not None:
             cache.advance(n)
