@@ -268,8 +268,10 @@ class StaticDecodeState:
         first = [sum(sizes[:row]) for row in range(batch)]
         for (k, v), start, n in zip(kept, first, lengths):
             keys[0, :, start:start + n], values[0, :, start:start + n] = k[:, :n], v[:, :n]
-        counts.copy_(torch.tensor(lengths, dtype=torch.long))
-        starts.copy_(torch.tensor(first, dtype=torch.long))
+        # from pinned memory without blocking on a GPU: a pageable copy waits for the stream, twice a layer
+        pinned = counts.device.type == "cuda"
+        counts.copy_(torch.tensor(lengths, dtype=torch.long, pin_memory=pinned), non_blocking=pinned)
+        starts.copy_(torch.tensor(first, dtype=torch.long, pin_memory=pinned), non_blocking=pinned)
         self.regions[layer_idx] = RegionLayout(first, sizes, list(lengths), tokens)
         return keys, values, counts, starts
 
