@@ -279,14 +279,13 @@ def _prefill_counting_attention_calls(model, mode, monkeypatch, *args, **kwargs)
     model.model.prefill_attention = mode
     with torch.no_grad():
         out = model(*args, **kwargs)
-    monkeypatch.setattr(F, "scaled_dot_product_attention", attention)
     return out, kwargs.get("cache"), len(calls)
 
 
 def test_batched_prefill_attention_is_one_call_a_layer_and_equals_sequence_by_sequence(monkeypatch):
     """prefill_attention="batched" (the default on a GPU): a sparse layer's routed tokens of a left-padded
     batch attend in one call, padded to the busiest sequence, where "per_sequence" makes one call a
-    sequence that routes a token; same logits (1e-5), same entries in every sequence's cache, the same
+    sequence that routes a token; same logits (fp32, 1e-5), same entries in every sequence's cache, the same
     greedy continuation; packed documents (no cache) score alike; a wrong mode is named."""
     model = routed_model()
     prompts = [prompt(1, 40, seed=5)[0], prompt(1, 12, seed=6)[0], prompt(1, 31, seed=7)[0], prompt(1, 22, seed=8)[0]]
@@ -315,11 +314,15 @@ def test_batched_prefill_attention_is_one_call_a_layer_and_equals_sequence_by_se
             tokens[mode] = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False)
     assert torch.equal(tokens["batched"], tokens["per_sequence"])
 
-    documents = torch.cat([prompt(1, 9, seed=11), prompt(1, 13, seed=12)], dim=1).expand(3, -1)
-    positions = torch.cat([torch.arange(9), torch.arange(13)])[None]
-    packed = {mode: _prefill_counting_attention_calls(model, mode, monkeypatch, documents, position_ids=positions)[0]
+    # packed documents (no cache), split differently in each row: the rows route different numbers of tokens
+    documents = prompt(3, 22, seed=11)
+    positions = torch.stack([torch.cat([torch.arange(9), torch.arange(13)]), torch.cat([torch.arange(4), torch.arange(18)]),
+                             torch.cat([torch.arange(15), torch.arange(7)])])
+    packed = {mode: _prefill_counting_attention_calls(model, mode, monkeypatch, documents, position_ids=positions)
               for mode in ("per_sequence", "batched")}
-    torch.testing.assert_close(packed["batched"].logits, packed["per_sequence"].logits, rtol=0, atol=1e-5)
+    (loop, _, loop_calls), (one, _, one_calls) = packed["per_sequence"], packed["batched"]
+    assert one_calls <= len(model.model.layers) < loop_calls
+    torch.testing.assert_close(one.logits, loop.logits, rtol=0, atol=1e-5)
 
     model.model.prefill_attention = "padded"
     with pytest.raises(ValueError, match="prefill_attention: 'padded' is not one of auto, batched, per_sequence"):

@@ -156,13 +156,14 @@ class XModAttention(nn.Module):
                       rope: tuple[torch.Tensor, torch.Tensor], documents: Optional[torch.Tensor] = None,
                       cache: Optional[XModCache] = None) -> torch.Tensor:
         """Attention of a first pass's routed tokens ``x`` ``[t, h]``, packed sequence by sequence (``counts[i]``
-        tokens of sequence i, in order; nothing cached before this pass), in one call for the whole batch:
-        projections, norms and RoPE on the packed tokens, then ``scaled_dot_product_attention`` over a
-        ``[b, max(counts)]`` batch in which sequence i's tokens take the first ``counts[i]`` places (``slots``
-        ``[t]``: each packed token's place, row-major), so that plain causal attention keeps them causal and
-        away from the padding after them; with ``documents`` ``[t]`` also inside their document. The cache,
-        if any, appends each sequence's entries as they are (no padding). Returns ``[t, h]``."""
-        b, width = len(counts), max(counts)
+        tokens of sequence i, in order; nothing cached before this pass), in one attention call: projections,
+        norms and RoPE on the packed tokens, then ``scaled_dot_product_attention`` over a batch of the
+        sequences that route a token, padded to the busiest (``slots`` ``[t]``: each packed token's place in
+        that ``[rows, max(counts)]`` batch, row-major, a sequence's tokens first), so that plain causal
+        attention keeps them causal and away from the padding after them; with ``documents`` ``[t]`` also
+        inside their document. The cache, if any, appends each sequence's entries as they are (no padding).
+        Returns ``[t, h]``."""
+        rows, width = sum(count > 0 for count in counts), max(counts)
         q, k, v = (t[0].transpose(0, 1) for t in self.project(x[None], tuple(t[None] for t in rope)))  # [t, heads, d]
         if cache is not None:
             start = 0
@@ -173,19 +174,13 @@ class XModAttention(nn.Module):
                                  None, positions[None, entries], [row])
                     start += count
 
-        def batched(t: torch.Tensor) -> torch.Tensor:  # [t, ...] -> [b, width, ...], zeros in the padding
-            return t.new_zeros(b * width, *t.shape[1:]).index_copy_(0, slots, t).view(b, width, *t.shape[1:])
+        def batched(t: torch.Tensor) -> torch.Tensor:  # [t, ...] -> [rows, width, ...], zeros in the padding
+            return t.new_zeros(rows * width, *t.shape[1:]).index_copy_(0, slots, t).view(rows, width, *t.shape[1:])
 
-        allowed = None
-        if documents is not None:
-            document = batched(documents)  # a padding place's 0 matters not: no real token attends past its own
-            causal_order = torch.ones(width, width, dtype=torch.bool, device=x.device).tril()
-            allowed = (causal_order & (document[:, :, None] == document[:, None, :])).unsqueeze(1)
-        q, k, v = (batched(t).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None,
-                                             scale=1.0 / math.sqrt(self.head_dim), enable_gqa=self.heads != self.groups)
-        out = out.transpose(1, 2).reshape(b * width, self.heads * self.head_dim).index_select(0, slots)
-        return self.o_proj(out)
+        # a padding place's document (0) matters not: no real token attends past its sequence's own tokens
+        out = self._attend(*(batched(t).transpose(1, 2) for t in (q, k, v)), None, None, None,
+                           None if documents is None else batched(documents), causal=documents is None)
+        return self.o_proj(out.transpose(1, 2).reshape(rows * width, self.heads * self.head_dim).index_select(0, slots))
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Queries, keys and values ``[b, heads, m, d]`` of ``x`` ``[b, m, h]`` (QK-norm, then RoPE ``(cos, sin)``)."""
@@ -428,8 +423,8 @@ class XModDecoderLayer(nn.Module):
         False, take no part): the norms, projections and MLP run on all of them packed, so no sequence
         computes padding up to the busiest one's count (at batch 8 a sparse layer's busiest sequence routed
         up to ~3x the mean); attention runs sequence by sequence on its routed tokens (the cache appends
-        its entries), or, ``batched`` and nothing cached before this pass, in one call over the batch padded
-        to the busiest sequence (:meth:`XModAttention.attend_packed`: one launch, not one a sequence).
+        its entries), or, ``batched`` and nothing cached before this pass, in one attention call over the
+        sequences that route a token, padded to the busiest (:meth:`XModAttention.attend_packed`).
         One device read: the routed tokens a sequence. ``first_pass``: nothing cached before this pass and
         one document a row, so each sequence's routed tokens attend causally without a mask."""
         cfg = self.config
@@ -447,11 +442,11 @@ class XModDecoderLayer(nn.Module):
         cos, sin = (t.reshape(b * n, -1).index_select(0, picked) for t in rope)
         token_documents = None if documents is None else documents.reshape(-1).index_select(0, picked)
         normed = self.input_layernorm(tokens)
-        if batched and b > 1 and (cache is None or cache.get_seq_length() == 0):
-            # each routed token's place in a [b, max(counts)] batch: its sequence's row, its rank among the
-            # sequence's routed tokens (the packed order, read from selected on the device)
-            ranks = selected.cumsum(1) - 1 + torch.arange(b, device=x.device)[:, None] * max(counts)
-            slots = ranks.reshape(-1).index_select(0, picked)
+        if batched and sum(count > 0 for count in counts) > 1 and (cache is None or cache.get_seq_length() == 0):
+            # each routed token's place in the [sequences that route, max(counts)] batch: the row of its sequence
+            # among those, its rank among the sequence's routed tokens (in the packed order; on the device)
+            rows = selected.any(1).cumsum(0) - 1
+            slots = (selected.cumsum(1) - 1 + rows[:, None] * max(counts)).reshape(-1).index_select(0, picked)
             attention = self.self_attn.attend_packed(normed, counts, slots, token_positions, (cos, sin),
                                                      token_documents, cache)
         else:
@@ -545,8 +540,8 @@ class XModModel(XModPreTrainedModel):
         # False runs every sparse layer's own routing at every step (the path before it, for comparison).
         self.decode_skips_unrouted = True
         # How a pass's threshold-routed tokens of several sequences attend in a sparse layer: "batched" (one
-        # call over the batch padded to the busiest sequence: one launch a layer, what a GPU pays for),
-        # "per_sequence" (one call a sequence: no padding's FLOPs, what a CPU pays for), "auto": batched on a GPU
+        # call over the sequences that route a token, padded to the busiest: one launch a layer, what a GPU pays
+        # for), "per_sequence" (one call a sequence: no padding's FLOPs, what a CPU pays for), "auto": batched on CUDA
         self.prefill_attention = "auto"
         # The last fixed-shape decode's buffers and CUDA graph (static_decode.py), refilled by the next
         # generation where they fit it, as transformers keeps a model's static cache; None drops the model's
@@ -573,7 +568,11 @@ class XModModel(XModPreTrainedModel):
         rule = routing_rule or cfg.routing_rule
         if rule not in ("threshold", "topk"):
             raise ValueError(f"routing_rule: {rule!r} is not one of threshold, topk")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention: {self.prefill_attention!r} is not one of "
+                             f"{', '.join(PREFILL_ATTENTION)}")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batched = self.prefill_attention == "batched" or (self.prefill_attention == "auto" and x.is_cuda)
         # Without autograd the layers write their residual updates into x (a sparse layer's routed rows, not
         # a copy of all of them a layer): x must be the model's own
         in_place = not torch.is_grad_enabled()
@@ -632,9 +631,6 @@ class XModModel(XModPreTrainedModel):
             return hidden.clone(), cache
         if cache is not None:
             cache.begin_pass(b, position_ids, valid)
-        if self.prefill_attention not in PREFILL_ATTENTION:
-            raise ValueError(f"prefill_attention: {self.prefill_attention!r} is not one of {', '.join(PREFILL_ATTENTION)}")
-        batched = self.prefill_attention == "batched" or (self.prefill_attention == "auto" and x.device.type != "cpu")
         rope = rotary_tables(cfg, position_ids, x.dtype)
         # a first pass over one document a row without padding: causal attention without a mask
         causal = past == 0 and n > 1 and documents is None and valid is None
