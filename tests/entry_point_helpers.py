@@ -5,6 +5,7 @@ The flags mirror tests/test_pretrain.py (ARCH, CPU), so a launch here trains the
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -69,6 +70,13 @@ def torchrun(nproc: int, target: list[str], argv: list[str], check: bool = True,
     if check and result.returncode != 0:
         raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def tagged_json(output: str, tag: str):
+    """The JSON value a worker printed after ``tag`` (e.g. ``RESULT {...}``). Searched in the whole output, not
+    line by line: the ranks share one pipe, and another rank's text may land on the same line."""
+    start = output.index(tag + " ") + len(tag) + 1
+    return json.JSONDecoder().raw_decode(output, start)[0]
 
 
 def routed_run(nproc: int, data: str, routed: list[str], iters: int, *extra: str):

@@ -13,7 +13,6 @@ sequence parallelism, and CP2 x PP2 with a stage boundary inside a sparse block;
 CP2 reproduces CP1 for a dense and a routed model. Segment-local top-k (--xmod-routing-segments 2C) gives
 every CP rank a routed batch of exactly k/C tokens (unit level).
 """
-import json
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from entry_point_helpers import (
     common_start,
     free_port,
     routed_run,
+    tagged_json,
     torchrun,
     train_losses,
     validation_losses,
@@ -44,8 +44,7 @@ def _worker(family, *options):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root, os.path.dirname(WORKER)]))
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return tagged_json(result.stdout, "RESULT")
 
 
 @pytest.mark.parametrize("family, options", [("xmod", []), ("mod", []), ("xmod", ["full-recompute"]),

@@ -15,7 +15,6 @@ bench/ops.py does, so that the CPU counts are a GPU run's (test_the_counter_sees
 shows that the counter sees them when they are on).
 """
 import dataclasses
-import json
 import os
 import socket
 import subprocess
@@ -24,6 +23,7 @@ import unittest.mock
 
 import pytest
 import torch
+from entry_point_helpers import tagged_json
 from helpers import TINY, tiny_model
 from sync_counter import SyncCounter
 
@@ -270,8 +270,7 @@ def test_tp2_sequence_parallel_training_has_no_host_sync():
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
          WORKER, "syncs", "1"], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("SYNCS "))
-    ranks = json.loads(line[len("SYNCS "):])
+    ranks = tagged_json(result.stdout, "SYNCS")
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:
         for family in ("xmod", "mod"):

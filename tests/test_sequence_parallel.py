@@ -5,7 +5,6 @@ DistributedDataParallel and finalize_model_grads; the losses agree to fp32 toler
 layer routes the same tokens at every step, and so does the threshold rule of evaluation; both update the
 residual stream in place.
 megatron's local-spec norm runs under sequence parallelism through numbered patch 21 (cpu_patches)."""
-import json
 import os
 import socket
 import subprocess
@@ -13,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from entry_point_helpers import tagged_json
 
 from megatron_xmod.cpu_shim import cpu_mode
 
@@ -68,8 +68,7 @@ def test_tp2_sequence_parallel_equals_tp1(family):
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
          WORKER, family, str(STEPS)], capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    runs = json.loads(line[len("RESULT "):])
+    runs = tagged_json(result.stdout, "RESULT")
     tp1, tp2 = runs["tp1"], runs["tp2_sp"]
     assert len(tp1["losses"]) == STEPS
     assert tp2["losses"] == pytest.approx(tp1["losses"], rel=1e-5)

@@ -507,20 +507,18 @@ def test_sequence_parallel_padding_row_is_left_out_of_the_expert_bias_loads():
     """The discriminating check behind the run above (whose losses over 4 steps move by less than 1e-5
     when the padding row is counted): at TP 2 + SP, the expert-bias loads of a routed layer summed over
     the ranks are top-k x 15 x b, not top-k x 16 x b."""
-    import json
     import os
     import subprocess
     import sys
 
-    from entry_point_helpers import free_port
+    from entry_point_helpers import free_port, tagged_json
 
     worker = os.path.join(os.path.dirname(__file__), "dist_worker_xmod_moe.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
                              str(free_port()), worker], capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    found = json.loads(line[len("RESULT "):])
+    found = tagged_json(result.stdout, "RESULT")
     assert found["loads"] == [found["real"]] * 2, found
 
 
