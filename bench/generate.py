@@ -49,6 +49,9 @@ sys.path.insert(0, str(REPO / "tests"))  # the sync counter is a test tool, shar
 
 from throughput import git_commit, keep_freed_memory, loadavg, machine_name  # noqa: E402  (bench/, this script's folder)
 
+from megatron_xmod.hf.modeling_xmod import PREFILL_ATTENTION  # noqa: E402
+from megatron_xmod.hf.static_decode import SPARSE_ROOM_POLICIES  # noqa: E402
+
 MODELS = ("dense", "mod", "xmod-a4k8", "xmod-a3k16")
 
 
@@ -439,9 +442,9 @@ def main(argv=None):
                    help="also decode with every sparse layer's own routing at every step (the path before the run-ahead)")
     p.add_argument("--fixed-shape", action="store_true",
                    help="also decode with the fixed-shape cache (XModCache(max_cache_len=...); a CUDA graph on a GPU)")
-    p.add_argument("--sparse-room", choices=("adaptive", "full"), default="adaptive",
+    p.add_argument("--sparse-room", choices=SPARSE_ROOM_POLICIES, default="adaptive",
                    help="with --fixed-shape: the room of the sparse layers' regions (static_decode.py)")
-    p.add_argument("--prefill-attention", choices=("auto", "batched", "per_sequence"), default="auto",
+    p.add_argument("--prefill-attention", choices=PREFILL_ATTENTION, default="auto",
                    help="how a sparse layer's threshold-routed tokens of a batch attend (XModModel.prefill_attention)")
     p.add_argument("--long-contexts", type=int, nargs="*", default=[],
                    help="also decode from a synthetic cache of this many tokens (no prefill; see synthetic_cache)")

@@ -282,16 +282,17 @@ class StaticDecodeState:
         its rate over all its tokens, or since the layer's last layout where that is higher), a region that
         ran short getting at least twice the room it had. So the layouts change together, at few reads (under
         CUDA graphs each such read means one new capture: the next step captures the new buffers)."""
-        remaining = self.max_cache_len - self.prompt_tokens - self.steps  # this step included
         if self._unchecked > 0:
             return
+        remaining = self.max_cache_len - self.prompt_tokens - self.steps  # this step included
         sparse = sorted(self.regions)
         counts = torch.cat([self.layers[i][2] for i in sparse]).tolist()  # the one host read
         self.room_reads += 1
         tokens = self.prompt_tokens + self.steps
         short = min(remaining, max(1, ROOM_MARGIN // 2))
         lengths = {i: counts[j * self.batch:(j + 1) * self.batch] for j, i in enumerate(sparse)}
-        if min(self._least_free(i, lengths[i]) for i in sparse) < short:
+        free = {i: self._least_free(i, lengths[i]) for i in sparse}
+        if min(free.values()) < short:
             self.layout_changes += 1
             for i in sparse:
                 before = self.regions[i]
@@ -303,8 +304,9 @@ class StaticDecodeState:
                 keys, values = self.layers[i][:2]
                 kept = [(keys[0, :, s:s + n], values[0, :, s:s + n]) for s, n in zip(before.starts, lengths[i])]
                 self.layers[i] = self._lay_out(i, kept, lengths[i], tokens, remaining, least_room=least_room)
+                free[i] = self._least_free(i, lengths[i])
                 self.relayouts += 1
-        self._unchecked = min([remaining] + [self._least_free(i, lengths[i]) for i in sparse])
+        self._unchecked = min([remaining, *free.values()])
 
     def _rooms(self, before: Optional[RegionLayout], lengths: list[int], tokens: int, remaining: int) -> list[int]:
         """:func:`region_room` of each sequence of a layer: at its rate over the ``tokens`` seen, or since the
