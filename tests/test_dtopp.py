@@ -330,3 +330,22 @@ def test_load_balancing_loss_with_padding_matches_the_formula(seeded):
     get_moe_metrics_tracker().clear()
     router(x, padding_mask=padding)
     assert _tracked("load_balancing_loss").item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_graph_capture_runs_leave_the_controller_counters_and_statistics_alone(seeded):
+    """What megatron's CUDA-graph capture runs through a DTop-p layer (routing_state.kept_through, patches 27
+    / 28) adds nothing to the activation counters the controller reads at the end of the step, nor to
+    the interval statistics; the counters stay the same tensors."""
+    from megatron_xmod.xmod.routing_state import kept_through
+
+    (router,) = routers = make_routers(make_config())
+    hidden = router.config.hidden_size
+    router(torch.randn(64, 1, hidden))  # the training data's
+    counters = [router.dtopp_active_sum, router.dtopp_token_count]
+    before = [t.clone() for t in counters] + [routers.routing_state._stats.clone()]
+    with kept_through(routers):
+        router(torch.randn(64, 1, hidden))
+        assert not torch.equal(router.dtopp_token_count, before[1])  # the capture's run counted
+    for got, want in zip([router.dtopp_active_sum, router.dtopp_token_count, routers.routing_state._stats], before):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert router.dtopp_active_sum is counters[0] and router.dtopp_token_count is counters[1]

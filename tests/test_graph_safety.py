@@ -179,3 +179,71 @@ def test_routed_layers_are_graphable_in_training_and_eager_in_evaluation(seeded,
     assert layer.routing_state.router_inputs._layer_number is None  # no chain handed on
     out.sum().backward()
     assert layer.router.weight.grad is not None
+
+
+def _routing_state_now(model) -> list[torch.Tensor]:
+    state = model.routing_state
+    return [state._stats.clone()] + [t.clone() for pair in state._handover.values() for t in pair]
+
+
+def test_megatrons_graph_capture_leaves_the_routing_state_of_the_training_data(seeded, monkeypatch):
+    """megatron's capture runs the captured layers on sample inputs (warm-up iterations, then the capture):
+    without patches 27 / 28 those runs add to the interval statistics, the micro-batch router loss and the
+    hand-over; with them both capture entry points (``--cuda-graph-impl local`` and ``transformer_engine``)
+    leave the routing state exactly as the training step left it, in the same buffers. The captures
+    themselves need CUDA: here each runs what it does to the layers, forward and backward on new inputs."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import cuda_graphs
+
+    from megatron_xmod.training import patches
+    from megatron_xmod.xmod.permute import dispatch
+    from megatron_xmod.xmod.routing_state import kept_through
+
+    monkeypatch.setenv(dispatch.ENV_CHECK, "0")
+    model, _ = tiny_model("D + (S4*3 + D)", seq_len=SEQ, xmod_token_choice_bias_tau=0.5,
+                          cuda_graph_impl="transformer_engine")
+    model.train()
+    rope = model.rotary_pos_emb(SEQ)
+    generator = torch.Generator().manual_seed(5)
+
+    def training_step():
+        x = torch.randn(SEQ, BATCH, TINY.hidden_size, generator=generator, requires_grad=True)
+        _block_step(model.decoder, rope, x, torch.randn(SEQ, BATCH, TINY.hidden_size, generator=generator))
+
+    runs = []
+
+    def warm_up_and_capture(*_):
+        for _ in range(3):
+            training_step()
+            runs.append(1)
+
+    record, helper = cuda_graphs._CudagraphGlobalRecord, cuda_graphs.TECudaGraphHelper
+    monkeypatch.setattr(record, "create_cudagraphs", record.__dict__["create_cudagraphs"])  # put back afterwards
+    monkeypatch.setattr(record, "_create_cudagraphs", classmethod(warm_up_and_capture))
+    monkeypatch.setattr(record, "cudagraph_record", [(SimpleNamespace(base_module=layer), "fwd")
+                                                     for layer in model.decoder.layers])
+    monkeypatch.setattr(helper, "create_cudagraphs", warm_up_and_capture)
+    training_step()  # the training data's statistics, router loss and hand-over
+    state = model.routing_state
+    stats_buffer = state._stats.data_ptr()
+
+    before = _routing_state_now(model)
+    record.create_cudagraphs()  # megatron's own: the capture's runs count as training data
+    assert len(runs) == 3 and any(not torch.equal(a, b) for a, b in zip(_routing_state_now(model), before))
+
+    before = _routing_state_now(model)
+    patches.routing_state_kept_through_graph_capture(kept_through)
+    try:
+        record.create_cudagraphs()
+        after_local = _routing_state_now(model)
+        helper.create_cudagraphs(SimpleNamespace(model=[model]))
+        after_te = _routing_state_now(model)
+    finally:
+        patches.uninstall(27, record, "create_cudagraphs")
+        patches.uninstall(28, helper, "create_cudagraphs")
+    assert len(runs) == 9  # both captures ran the layers
+    for after in (after_local, after_te):
+        assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert state._stats.data_ptr() == stats_buffer  # in place: a captured graph keeps writing there
+    assert 27 not in patches.installed() and getattr(record.create_cudagraphs, "_xmod_patch", None) is None

@@ -27,6 +27,8 @@ The CPU-only patches 1-11 and 21 are the CPU shim, :mod:`megatron_xmod.cpu_shim`
   writes it; a save that still runs out of space names ENOSPC.
 - 26 :func:`stop_on_zero_gradients` (fp16): a run whose gradients stay all-zero (loss scale underflow)
   stops with the reason.
+- 27, 28 :func:`routing_state_kept_through_graph_capture`: megatron's CUDA-graph capture (local, TE) leaves
+  the routing state as the training data left it.
 
 Replaced by megatron's public extension points (numbers kept free): 15, the iteration that the
 token-choice bias warm-up reads, is ``args.curr_iteration`` (training/training.py:3811), read by our
@@ -491,3 +493,36 @@ def stop_on_zero_gradients(patience: int = 3) -> None:
         return train_step_watched
 
     install(26, training, "train_step", make_wrapper)
+
+
+def routing_state_kept_through_graph_capture(kept_through: Callable) -> None:
+    """27 and 28. megatron's CUDA-graph capture runs every captured layer on sample inputs (its warm-up
+    iterations, then the capture itself, forward and backward): ``--cuda-graph-impl local`` in
+    core/transformer/cuda_graphs.py:533 ``_CudagraphGlobalRecord.create_cudagraphs`` (27; called after
+    the forward-backward of the step that recorded the layers, core/pipeline_parallel/schedules.py:862),
+    ``transformer_engine`` in cuda_graphs.py:2712 ``TECudaGraphHelper.create_cudagraphs`` (28; called
+    before the step, training/training.py:3792). megatron keeps its MoE aux-loss tracker out of those runs;
+    ``kept_through(modules)`` (megatron_xmod.xmod.routing_state) does the same for the routing state of
+    the captured layers, so the first log interval's statistics and micro-batch router losses, and the
+    DTop-p controller's activation counters, are those of the training data alone."""
+    from megatron.core.transformer import cuda_graphs
+
+    def around_local(create_cudagraphs):  # a classmethod: ``create_cudagraphs`` is bound to the class
+        def create_cudagraphs_keeping_routing_state(cls):
+            with kept_through([entry[0].base_module for entry in cls.cudagraph_record]):
+                return create_cudagraphs()
+
+        create_cudagraphs_keeping_routing_state._xmod_patch = 27  # seen through the bound method
+        create_cudagraphs_keeping_routing_state.__wrapped__ = classmethod(create_cudagraphs.__func__)  # uninstall()
+        return classmethod(create_cudagraphs_keeping_routing_state)
+
+    def around_te(create_cudagraphs):
+        @functools.wraps(create_cudagraphs)
+        def create_cudagraphs_keeping_routing_state(helper):
+            with kept_through(helper.model):
+                return create_cudagraphs(helper)
+
+        return create_cudagraphs_keeping_routing_state
+
+    install(27, cuda_graphs._CudagraphGlobalRecord, "create_cudagraphs", around_local)
+    install(28, cuda_graphs.TECudaGraphHelper, "create_cudagraphs", around_te)

@@ -59,6 +59,7 @@ def _pretrain(argv: list[str]) -> None:
     from megatron_xmod.training.hooks import xmod_train_hooks
     from megatron_xmod.training.log import startup_summary
     from megatron_xmod.training.preflight import check_before_megatron_setup, validate_before_training
+    from megatron_xmod.xmod.routing_state import kept_through
 
     sys.argv = [sys.argv[0]] + argv
     hooks = xmod_train_hooks()
@@ -87,6 +88,7 @@ def _pretrain(argv: list[str]) -> None:
     patches.checkpoint_integrity(checkpoints)
     patches.disk_space_before_save(checkpoints)
     patches.stop_on_zero_gradients()
+    patches.routing_state_kept_through_graph_capture(kept_through)
     config_container = pretrain_cfg_container_from_args(args, None)
     single_process_defaults()  # as late as possible: the free port is taken by the time megatron binds it
     pretrain(config_container, hooks.datasets_provider, ModelType.encoder_or_decoder, hooks.forward_step,

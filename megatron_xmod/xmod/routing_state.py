@@ -308,9 +308,7 @@ class RoutingState:
         if self._widths is None or self._widths.numel() != rows or self._widths.device != torch.device(device):
             self._widths = torch.zeros(rows, dtype=torch.long, device=device)
         self._capacity.clear()
-        stats = None if self._stats is None else self._stats.clone()
-        handover = {key: (bias.clone(), selected.clone()) for key, (bias, selected) in self._handover.items()}
-        self._before_pass = (stats, handover)
+        self._before_pass = self.snapshot()
 
     def note_width(self, layer_number: int, width) -> None:
         """The widest selection of a sequence in ``layer_number``'s threshold batch: an int (exact width,
@@ -336,22 +334,34 @@ class RoutingState:
             overflow |= width > capacity
         if not overflow:
             return False
-        stats, handover = before
+        self.restore(before)
+        self.capacity_reruns += 1
+        return True
+
+    def snapshot(self) -> tuple:
+        """Copies of what a pass may change (the statistics with the micro-batch router losses, and the
+        token-choice bias hand-over buffers), for :meth:`restore`."""
+        stats = None if self._stats is None else self._stats.clone()
+        handover = {key: (bias.clone(), selected.clone()) for key, (bias, selected) in self._handover.items()}
+        return stats, handover
+
+    def restore(self, saved: tuple) -> None:
+        """The statistics and hand-over buffers as :meth:`snapshot` saw them, written in place (a captured
+        graph holds their addresses); what was allocated since then goes back to zeros, as it started."""
+        stats, handover = saved
         if stats is not None and self._stats is not None and stats.shape == self._stats.shape:
             self._stats.copy_(stats)
-        elif self._stats is not None:  # allocated by this pass: there were no statistics before it
+        elif self._stats is not None:  # allocated since: there were no statistics before
             self._stats.zero_()
         for key, (bias, selected) in self._handover.items():
-            saved = handover.get(key)
-            if saved is None:  # created by this pass: it started as zeros
+            before = handover.get(key)
+            if before is None:
                 bias.zero_()
                 selected.zero_()
             else:
-                bias.copy_(saved[0])
-                selected.copy_(saved[1])
+                bias.copy_(before[0])
+                selected.copy_(before[1])
         self.router_inputs.clear()
-        self.capacity_reruns += 1
-        return True
 
     @contextlib.contextmanager
     def exact_widths(self):
@@ -548,6 +558,28 @@ def eval_routing(model_chunks, rule: str):
     finally:
         for state, rule_before in zip(states, previous):
             state.eval_rule = rule_before
+
+
+@contextlib.contextmanager
+def kept_through(modules: Iterable[torch.nn.Module]):
+    """Run a block that executes ``modules`` (layers or model chunks) without leaving a trace in their
+    routing state: megatron's CUDA-graph capture runs each captured layer on sample inputs, its warm-up
+    iterations and then the capture itself (forward and backward), which would otherwise add to the
+    interval statistics, the micro-batch router losses and the hand-over buffers, and to the DTop-p
+    router's activation counters (its buffers). All of it is written back in place, as it was before the
+    block: the captured graphs keep the addresses. megatron keeps its own MoE aux-loss tracker the same way."""
+    modules = list(modules)
+    states = routing_states(modules)
+    recorders = list({id(m): m for chunk in modules for m in chunk.modules() if is_recorder(m)}.values())
+    saved = [state.snapshot() for state in states]
+    buffers = [(buffer, buffer.clone()) for module in recorders for buffer in module.buffers(recurse=False)]
+    try:
+        yield
+    finally:
+        for state, before in zip(states, saved):
+            state.restore(before)
+        for buffer, before in buffers:
+            buffer.copy_(before)
 
 
 @contextlib.contextmanager
