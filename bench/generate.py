@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the sync counter is a test tool, shared with the tests
@@ -155,16 +156,42 @@ def time_fixed_shape_decode(model, token, cache, new_tokens: int, device):
     return middle - start, time.perf_counter() - middle, torch.cat([first, rest], dim=1)
 
 
-def syncs_per_token(model, prompt, steps: int, max_cache_len=None, sparse_room="adaptive") -> float:
-    """Host syncs per decoded token; with ``max_cache_len`` (fixed-shape decode) after its first two steps."""
+class BytesRead(TorchDispatchMode):
+    """The bytes a decode step cannot avoid reading: the weights its matmuls multiply by (``mm``'s second
+    operand, ``addmm``'s third) and the keys and values its attention calls read. At decode batch sizes
+    that is nearly all a step reads (the activations are a few rows), so a model's bytes against Dense's
+    bound its decode speed-up on a machine whose decode is bound by memory, as a CPU's and a GPU's are."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = self.keys_values = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in ("mm", "addmm"):
+            weight = args[1] if name == "mm" else args[2]
+            self.weights += weight.numel() * weight.element_size()
+        elif name.startswith("_scaled_dot_product"):
+            self.keys_values += sum(t.numel() * t.element_size() for t in args[1:3])
+        return func(*args, **(kwargs or {}))
+
+
+def decode_counts(model, token, cache, steps: int) -> tuple[float, float]:
+    """(host syncs, MiB read: :class:`BytesRead`) per decode step of ``steps`` greedy steps from ``token``."""
     from sync_counter import SyncCounter
 
+    with SyncCounter() as counter, BytesRead() as read:
+        decode(model, token, cache, steps)
+    return counter.count / steps, (read.weights + read.keys_values) / steps / 2**20
+
+
+def syncs_per_token(model, prompt, steps: int, max_cache_len=None, sparse_room="adaptive") -> tuple[float, float]:
+    """(host syncs per decoded token, MiB read per decode step: :class:`BytesRead`) of a decode from
+    ``prompt``; with ``max_cache_len`` (fixed-shape decode) after its first two steps."""
     token, cache = prefill(model, prompt, max_cache_len, sparse_room)
     if max_cache_len is not None:
         token = decode(model, token, cache, 2)[:, -1:]
-    with SyncCounter() as counter:
-        decode(model, token, cache, steps)
-    return counter.count / steps
+    return decode_counts(model, token, cache, steps)
 
 
 def build_models(models, hidden, max_positions, calibration_length, device, log=print, vocab=50304):
@@ -250,14 +277,14 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                 row = dict(model=name, layers=model.config.num_hidden_layers, batch=batch, prompt=length,
                            new_tokens=new_tokens, prefill_tok_s=batch * length / pre, decode_tok_s=batch * new_tokens / dec,
                            kv_cache_bytes=cache_bytes["total"], kv_cache_allocated_bytes=cache_bytes["allocated"],
-                           syncs_per_token=syncs_per_token(model, prompt, min(8, new_tokens)),
                            routed_fraction=statistics.mean(fractions) if fractions else 1.0)
+                row["syncs_per_token"], row["decode_mib_read_per_step"] = syncs_per_token(model, prompt, min(8, new_tokens))
                 if name != "dense" and per_layer_decode:
                     _, before_cache_generated = outputs[name, "before"]
                     row["same_tokens_as_before"] = bool(torch.equal(before_cache_generated, generated))
                     row["decode_tok_s_before"] = batch * new_tokens / statistics.median(times[name, "before"][1])
                     model.model.decode_skips_unrouted = False
-                    row["syncs_per_token_before"] = syncs_per_token(model, prompt, min(8, new_tokens))
+                    row["syncs_per_token_before"] = syncs_per_token(model, prompt, min(8, new_tokens))[0]
                     model.model.decode_skips_unrouted = True
                 if fixed_shape and isinstance(outputs[name, "fixed"], Exception):
                     row["fixed_error"] = repr(outputs[name, "fixed"])[:400]
@@ -271,7 +298,7 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                                fixed_decode_peak_mib=peaks.get(name),
                                fixed_same_tokens=bool(torch.equal(fixed_generated, generated)),
                                fixed_syncs_per_token=syncs_per_token(model, prompt, min(8, new_tokens - 2), capacity,
-                                                                     sparse_room))
+                                                                     sparse_room)[0])
                 rows.append(row)
                 log(f"[generate] batch {batch} prompt {length} {name}: prefill {row['prefill_tok_s']:.0f} tok/s, "
                     f"decode {row['decode_tok_s']:.1f} tok/s, {row['syncs_per_token']:.1f} syncs/token")
@@ -318,14 +345,15 @@ def measure_long_context(built, contexts, batches, new_tokens, device, log=print
                 before = cache.entries()
                 decode(model, token, cache, 2)  # warm-up: first calls at this size allocate
                 seconds, _ = time_decode(model, token, cache, new_tokens, device)
+                _, mib_read = decode_counts(model, token, cache, 1)
                 cfg = model.config
                 sparse = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse(i)]
                 routed = [(cache.entries()[i] - before[i]) * cfg.layer_sparsity_k[i] for i in sparse]
                 row = dict(model=name, layers=cfg.num_hidden_layers, batch=batch, prompt=context, synthetic_context=True,
                            new_tokens=new_tokens, decode_tok_s=batch * new_tokens / seconds,
                            kv_cache_bytes=cache.nbytes()["total"],
-                           kv_cache_allocated_bytes=cache.nbytes(allocated=True)["total"],
-                           routed_fraction=sum(routed) / (len(sparse) * batch * (new_tokens + 2)) if sparse else 1.0)
+                           kv_cache_allocated_bytes=cache.nbytes(allocated=True)["total"], decode_mib_read_per_step=mib_read,
+                           routed_fraction=sum(routed) / (len(sparse) * batch * (new_tokens + 3)) if sparse else 1.0)
                 rows.append(row)
                 log(f"[generate] batch {batch} context {context} (synthetic) {name}: decode {row['decode_tok_s']:.1f} "
                     f"tok/s, routed {row['routed_fraction']:.2f} of 1/K")
@@ -347,6 +375,8 @@ def compare_with_dense(rows) -> None:
             r["prefill_vs_dense"] = r["prefill_tok_s"] / d["prefill_tok_s"]
         if d is not None:
             r["decode_vs_dense"] = r["decode_tok_s"] / d["decode_tok_s"]
+            if "decode_mib_read_per_step" in r and "decode_mib_read_per_step" in d:
+                r["bytes_bound_vs_dense"] = d["decode_mib_read_per_step"] / r["decode_mib_read_per_step"]
             if "decode_tok_s_before" in r:
                 r["decode_before_vs_dense"] = r["decode_tok_s_before"] / d["decode_tok_s"]
             if "fixed_decode_tok_s" in r and "fixed_decode_tok_s" in d:
@@ -363,8 +393,9 @@ def render_markdown(meta, rows) -> str:
            "- malloc: " + ("freed memory kept by the process (mallopt; throughput.keep_freed_memory)"
                            if meta.get("steady_malloc") else "the C library's defaults"), "",
            "| batch | prompt | model | layers | prefill tok/s | vs Dense | decode tok/s | vs Dense | decode before | "
-           "before vs Dense | syncs/token (before) | KV cache KiB (allocated) |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "before vs Dense | syncs/token (before) | KV cache KiB (allocated) | MiB read a decode step | "
+           "Dense's / this (decode's bytes bound vs Dense) |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         before = (f"{r['decode_tok_s_before']:.1f} | {r['decode_before_vs_dense']:.2f}" if "decode_tok_s_before" in r
                   else "- | -")
@@ -375,7 +406,9 @@ def render_markdown(meta, rows) -> str:
         out.append(f"| {r['batch']} | {r['prompt']} | {r['model']} | {r['layers']} | {prefill} | "
                    f"{r['decode_tok_s']:.1f} | {r.get('decode_vs_dense', 1):.2f} | "
                    f"{before} | {syncs} | {r['kv_cache_bytes'] / 1024:.0f} "
-                   f"({r.get('kv_cache_allocated_bytes', r['kv_cache_bytes']) / 1024:.0f}) |")
+                   f"({r.get('kv_cache_allocated_bytes', r['kv_cache_bytes']) / 1024:.0f}) | "
+                   + (f"{r['decode_mib_read_per_step']:.0f} | {r.get('bytes_bound_vs_dense', 1):.2f} |"
+                      if "decode_mib_read_per_step" in r else "- | - |"))
     fixed = [r for r in rows if "fixed_decode_tok_s" in r or "fixed_error" in r]
     if fixed:
         out += ["", "Fixed-shape decode (`XModCache(max_cache_len=prompt + new tokens + 1)`, static_decode.py; "

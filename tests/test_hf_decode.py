@@ -637,3 +637,27 @@ def test_generate_says_it_ignores_a_cache_implementation():
             other = model.generate(prompt(), max_new_tokens=4, do_sample=False, pad_token_id=PAD,
                                    cache_implementation="offloaded")
     assert torch.equal(other, plain)
+
+
+def test_bytes_a_decode_step_reads_are_the_weights_and_the_keys_and_values():
+    """bench/generate.py's decode bytes bound: a Dense model's step at batch b after n tokens reads every
+    linear weight once (the layers' and the LM head's) and, in each layer, the keys and values of n + 1
+    tokens a sequence; a routed model's step reads its sparse layers' few entries instead."""
+    from generate import BytesRead, synthetic_cache
+
+    dense = build_model("dense", hidden=64, vocab=256, max_positions=128)
+    cfg = dense.config
+    batch, context = 3, 40
+    cache = synthetic_cache(dense, batch, context)
+    token = prompt(batch=batch, length=1)
+    with BytesRead() as read:
+        decode(dense, token, cache, 1)
+    weights = sum(m.weight.numel() * 4 for m in dense.modules() if isinstance(m, torch.nn.Linear))
+    assert read.weights == weights
+    assert read.keys_values == cfg.num_hidden_layers * batch * (context + 1) * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    routed = build_model("xmod-a4k8", hidden=64, vocab=256, max_positions=128)
+    calibrate_routers(routed, prompt(batch=2, length=64))
+    cache = synthetic_cache(routed, batch, context)
+    with BytesRead() as routed_read:
+        decode(routed, token, cache, 1)
+    assert 0 < routed_read.keys_values < read.keys_values
