@@ -167,11 +167,13 @@ class BytesRead(TorchDispatchMode):
         self.weights = self.keys_values = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # With autograd on (no_grad included) linear and attention reach a dispatch mode decomposed (mm,
+        # addmm, the attention kernel's op); under inference_mode whole (linear, scaled_dot_product_attention)
         name = func.__name__.split(".")[0]
-        if name in ("mm", "addmm"):
-            weight = args[1] if name == "mm" else args[2]
+        if name in ("mm", "addmm", "linear"):
+            weight = args[2] if name == "addmm" else args[1]
             self.weights += weight.numel() * weight.element_size()
-        elif name.startswith("_scaled_dot_product"):
+        elif name.startswith(("_scaled_dot_product", "scaled_dot_product")):
             self.keys_values += sum(t.numel() * t.element_size() for t in args[1:3])
         return func(*args, **(kwargs or {}))
 
@@ -182,6 +184,9 @@ def decode_counts(model, token, cache, steps: int) -> tuple[float, float]:
 
     with SyncCounter() as counter, BytesRead() as read:
         decode(model, token, cache, steps)
+    if not (read.weights and read.keys_values):
+        raise RuntimeError(f"decode_mib_read_per_step: the decode read {read.weights} bytes of weights and "
+                           f"{read.keys_values} of keys and values, a count that missed its ops; see BytesRead")
     return counter.count / steps, (read.weights + read.keys_values) / steps / 2**20
 
 

@@ -335,11 +335,24 @@ def test_load_balancing_loss_with_padding_matches_the_formula(seeded):
 def test_graph_capture_runs_leave_the_controller_counters_and_statistics_alone(seeded):
     """What megatron's CUDA-graph capture runs through a DTop-p layer (routing_state.kept_through, patches 27
     / 28) adds nothing to the activation counters the controller reads at the end of the step, nor to
-    the interval statistics; the counters stay the same tensors."""
+    the interval statistics; the counters stay the same tensors. Also when the capture's forward is the
+    router's first, which replaces the counters that Float16Module cast to bf16 with fp32 ones: the
+    counters then in use get the values back."""
     from megatron_xmod.xmod.routing_state import kept_through
 
     (router,) = routers = make_routers(make_config())
     hidden = router.config.hidden_size
+    with torch.no_grad():
+        router.dtopp_active_sum.fill_(24.0)
+        router.dtopp_token_count.fill_(3.0)
+    cast = {name: getattr(router, name) for name in ("dtopp_active_sum", "dtopp_token_count")}
+    for name, buffer in cast.items():
+        setattr(router, name, buffer.to(torch.bfloat16))  # what Float16Module does to buffers
+    with kept_through(routers):
+        router(torch.randn(64, 1, hidden))
+        assert router.dtopp_token_count.dtype == torch.float32 and router.dtopp_token_count.item() == 3.0 + 64
+    for name, want in cast.items():
+        torch.testing.assert_close(getattr(router, name), want, rtol=0, atol=0)
     router(torch.randn(64, 1, hidden))  # the training data's
     counters = [router.dtopp_active_sum, router.dtopp_token_count]
     before = [t.clone() for t in counters] + [routers.routing_state._stats.clone()]

@@ -182,19 +182,25 @@ def test_routed_layers_are_graphable_in_training_and_eager_in_evaluation(seeded,
 
 
 def _routing_state_now(model) -> list[torch.Tensor]:
+    """The routing state's buffers, and megatron's MoE metrics."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
     state = model.routing_state
-    return [state._stats.clone()] + [t.clone() for pair in state._handover.values() for t in pair]
+    return ([state._stats.clone()] + [t.clone() for pair in state._handover.values() for t in pair]
+            + [entry.values.clone() for entry in get_moe_metrics_tracker().metrics.values()])
 
 
-def test_megatrons_graph_capture_leaves_the_routing_state_of_the_training_data(seeded, monkeypatch):
+def test_megatrons_graph_capture_leaves_the_routing_state_of_the_training_data(seeded, monkeypatch, fresh_moe_tracker):
     """megatron's capture runs the captured layers on sample inputs (warm-up iterations, then the capture):
-    without patches 27 / 28 those runs add to the interval statistics, the micro-batch router loss and the
-    hand-over; with them both capture entry points (``--cuda-graph-impl local`` and ``transformer_engine``)
-    leave the routing state exactly as the training step left it, in the same buffers. The captures
-    themselves need CUDA: here each runs what it does to the layers, forward and backward on new inputs."""
+    without patches 27 / 28 those runs add to the interval statistics, the micro-batch router loss, the
+    hand-over and megatron's MoE metrics; with them both capture entry points (``--cuda-graph-impl local``
+    and ``transformer_engine``) leave all of it exactly as the training step left it, in the same buffers.
+    The captures themselves need CUDA: here each runs what it does to the layers, forward and backward on
+    new inputs (and adds to an MoE metric, as an MoE layer's run would)."""
     from types import SimpleNamespace
 
     from megatron.core.transformer import cuda_graphs
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     from megatron_xmod.training import patches
     from megatron_xmod.xmod.permute import dispatch
@@ -211,11 +217,15 @@ def test_megatrons_graph_capture_leaves_the_routing_state_of_the_training_data(s
         x = torch.randn(SEQ, BATCH, TINY.hidden_size, generator=generator, requires_grad=True)
         _block_step(model.decoder, rope, x, torch.randn(SEQ, BATCH, TINY.hidden_size, generator=generator))
 
+    tracker = get_moe_metrics_tracker()
+    tracker.ensure_initialized("load_balancing_loss", 4, "cpu")
+    moe_metric = tracker.metrics["load_balancing_loss"].values
     runs = []
 
     def warm_up_and_capture(*_):
         for _ in range(3):
             training_step()
+            moe_metric.add_(1.0)
             runs.append(1)
 
     record, helper = cuda_graphs._CudagraphGlobalRecord, cuda_graphs.TECudaGraphHelper
@@ -225,6 +235,7 @@ def test_megatrons_graph_capture_leaves_the_routing_state_of_the_training_data(s
                                                      for layer in model.decoder.layers])
     monkeypatch.setattr(helper, "create_cudagraphs", warm_up_and_capture)
     training_step()  # the training data's statistics, router loss and hand-over
+    moe_metric.fill_(0.5)
     state = model.routing_state
     stats_buffer = state._stats.data_ptr()
 
@@ -244,6 +255,6 @@ def test_megatrons_graph_capture_leaves_the_routing_state_of_the_training_data(s
         patches.uninstall(28, helper, "create_cudagraphs")
     assert len(runs) == 9  # both captures ran the layers
     for after in (after_local, after_te):
-        assert all(torch.equal(a, b) for a, b in zip(after, before))
+        assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
     assert state._stats.data_ptr() == stats_buffer  # in place: a captured graph keeps writing there
     assert 27 not in patches.installed() and getattr(record.create_cudagraphs, "_xmod_patch", None) is None

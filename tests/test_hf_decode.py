@@ -661,3 +661,6 @@ def test_bytes_a_decode_step_reads_are_the_weights_and_the_keys_and_values():
     with BytesRead() as routed_read:
         decode(routed, token, cache, 1)
     assert 0 < routed_read.keys_values < read.keys_values
+    with torch.inference_mode(), BytesRead() as whole:  # linear and attention reach the mode undecomposed
+        dense(token, cache=synthetic_cache(dense, batch, context))
+    assert (whole.weights, whole.keys_values) == (read.weights, read.keys_values)

@@ -38,6 +38,7 @@ block spec would leave Megatron-LM's ``--spec`` route, whose final norm megatron
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -501,16 +502,18 @@ def routing_state_kept_through_graph_capture(kept_through: Callable) -> None:
     core/transformer/cuda_graphs.py:533 ``_CudagraphGlobalRecord.create_cudagraphs`` (27; called after
     the forward-backward of the step that recorded the layers, core/pipeline_parallel/schedules.py:862),
     ``transformer_engine`` in cuda_graphs.py:2712 ``TECudaGraphHelper.create_cudagraphs`` (28; called
-    before the step, training/training.py:3792). megatron keeps its MoE aux-loss tracker out of those runs;
-    ``kept_through(modules)`` (megatron_xmod.xmod.routing_state) does the same for the routing state of
-    the captured layers, so the first log interval's statistics and micro-batch router losses, and the
-    DTop-p controller's activation counters, are those of the training data alone."""
+    before the step, training/training.py:3792). ``kept_through(modules)`` (megatron_xmod.xmod.routing_state)
+    writes the routing state of the captured layers back as it was, and :func:`_moe_metrics_kept` megatron's
+    MoE metrics (load-balancing and z-losses; megatron itself keeps them only around a local capture of its
+    MoETransformerLayer, which GPT's MoE layers are not, and zeroes them after a TE capture, values from
+    before it included), so the first log interval's statistics and losses, and the DTop-p controller's
+    activation counters, are those of the training data alone."""
     from megatron.core.transformer import cuda_graphs
 
     def around_local(create_cudagraphs):  # a classmethod: ``create_cudagraphs`` is bound to the class
         def create_cudagraphs_keeping_routing_state(cls):
-            with kept_through([entry[0].base_module for entry in cls.cudagraph_record]):
-                return create_cudagraphs()
+            with kept_through([entry[0].base_module for entry in cls.cudagraph_record]), _moe_metrics_kept():
+                return create_cudagraphs.__func__(cls)
 
         create_cudagraphs_keeping_routing_state._xmod_patch = 27  # seen through the bound method
         create_cudagraphs_keeping_routing_state.__wrapped__ = classmethod(create_cudagraphs.__func__)  # uninstall()
@@ -519,10 +522,29 @@ def routing_state_kept_through_graph_capture(kept_through: Callable) -> None:
     def around_te(create_cudagraphs):
         @functools.wraps(create_cudagraphs)
         def create_cudagraphs_keeping_routing_state(helper):
-            with kept_through(helper.model):
+            with kept_through(helper.model), _moe_metrics_kept():
                 return create_cudagraphs(helper)
 
         return create_cudagraphs_keeping_routing_state
 
     install(27, cuda_graphs._CudagraphGlobalRecord, "create_cudagraphs", around_local)
     install(28, cuda_graphs.TECudaGraphHelper, "create_cudagraphs", around_te)
+
+
+@contextlib.contextmanager
+def _moe_metrics_kept():
+    """megatron's MoE metrics tracker (moe/moe_logging.py) as it was before the block, in place; a metric
+    created during it goes back to zeros."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    metrics = get_moe_metrics_tracker().metrics
+    saved = {name: entry.values.clone() for name, entry in metrics.items()}
+    try:
+        yield
+    finally:
+        for name, entry in metrics.items():
+            before = saved.get(name)
+            if before is not None and before.shape == entry.values.shape:
+                entry.values.copy_(before)
+            else:
+                entry.values.zero_()

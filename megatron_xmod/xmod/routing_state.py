@@ -567,19 +567,22 @@ def kept_through(modules: Iterable[torch.nn.Module]):
     iterations and then the capture itself (forward and backward), which would otherwise add to the
     interval statistics, the micro-batch router losses and the hand-over buffers, and to the DTop-p
     router's activation counters (its buffers). All of it is written back in place, as it was before the
-    block: the captured graphs keep the addresses. megatron keeps its own MoE aux-loss tracker the same way."""
+    block: the captured graphs keep the addresses."""
     modules = list(modules)
     states = routing_states(modules)
     recorders = list({id(m): m for chunk in modules for m in chunk.modules() if is_recorder(m)}.values())
     saved = [state.snapshot() for state in states]
-    buffers = [(buffer, buffer.clone()) for module in recorders for buffer in module.buffers(recurse=False)]
+    # by name: a module may replace a buffer during the block (the DTop-p router makes its bf16-cast
+    # counters fp32 again at its first forward), and what it holds then is what the graphs write
+    buffers = [(module, name, buffer.clone()) for module in recorders
+               for name, buffer in module.named_buffers(recurse=False)]
     try:
         yield
     finally:
         for state, before in zip(states, saved):
             state.restore(before)
-        for buffer, before in buffers:
-            buffer.copy_(before)
+        for module, name, before in buffers:
+            getattr(module, name).copy_(before)
 
 
 @contextlib.contextmanager
