@@ -179,7 +179,10 @@ class BytesRead(TorchDispatchMode):
 
 
 def decode_counts(model, token, cache, steps: int) -> tuple[float, float]:
-    """(host syncs, MiB read: :class:`BytesRead`) per decode step of ``steps`` greedy steps from ``token``."""
+    """(host syncs, MiB read: :class:`BytesRead`) per decode step of ``steps`` greedy steps from ``token``.
+
+    ``python bench/generate.py --bytes-only`` prints the MiB apart (weights, keys and values) for synthetic
+    caches, without timing anything."""
     from sync_counter import SyncCounter
 
     with SyncCounter() as counter, BytesRead() as read:
@@ -188,6 +191,29 @@ def decode_counts(model, token, cache, steps: int) -> tuple[float, float]:
         raise RuntimeError(f"decode_mib_read_per_step: the decode read {read.weights} bytes of weights and "
                            f"{read.keys_values} of keys and values, a count that missed its ops; see BytesRead")
     return counter.count / steps, (read.weights + read.keys_values) / steps / 2**20
+
+
+def print_bytes(models, hidden, batches, contexts, device) -> None:
+    """The MiB a decode step reads, weights and keys / values apart, from :func:`synthetic_cache` (one step)."""
+    built = build_models(models, hidden, max(contexts) + 8, 512, device)
+    print(f"# MiB a decode step reads ({machine_name(device)}, commit {git_commit()}, hidden {hidden}, fp32, "
+          f"synthetic caches)\n| batch | context | model | weights | keys and values | total | Dense's / this |")
+    for batch in batches:
+        for context in contexts:
+            token = torch.randint(0, built[models[0]][0].config.vocab_size, (batch, 1),
+                                  generator=torch.Generator().manual_seed(3)).to(device)
+            dense_total = None
+            for name, (model, _) in built.items():
+                cache = synthetic_cache(model, batch, context)
+                decode(model, token, cache, 1)
+                with BytesRead() as read:
+                    decode(model, token, cache, 1)
+                total = read.weights + read.keys_values
+                dense_total = total if name == "dense" else dense_total
+                bound = f"{dense_total / total:.2f}" if dense_total else "-"
+                print(f"| {batch} | {context} | {name} | {read.weights / 2**20:.0f} | {read.keys_values / 2**20:.0f} | "
+                      f"{total / 2**20:.0f} | {bound} |", flush=True)
+                del cache
 
 
 def syncs_per_token(model, prompt, steps: int, max_cache_len=None, sparse_room="adaptive") -> tuple[float, float]:
@@ -486,12 +512,18 @@ def main(argv=None):
                    help="how a sparse layer's threshold-routed tokens of a batch attend (XModModel.prefill_attention)")
     p.add_argument("--long-contexts", type=int, nargs="*", default=[],
                    help="also decode from a synthetic cache of this many tokens (no prefill; see synthetic_cache)")
+    p.add_argument("--bytes-only", action="store_true",
+                   help="print the MiB a decode step reads (weights, keys and values apart) from synthetic caches of "
+                        "--long-contexts tokens at --batches, and exit (no timing)")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = p.parse_args(argv)
     if args.quick:
         args.hidden, args.prompts, args.batches, args.new_tokens, args.repeats = 64, [32], [1, 2], 8, 1
     device = torch.device(args.device)
+    if args.bytes_only:
+        print_bytes(args.models, args.hidden, args.batches, args.long_contexts or [2048], device)
+        return
     steady_malloc = device.type == "cpu" and keep_freed_memory()
     loadavg_start = loadavg()
     out = Path(args.out)
