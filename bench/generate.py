@@ -216,7 +216,7 @@ def print_bytes(models, hidden, batches, contexts, device) -> None:
                 del cache
 
 
-def syncs_per_token(model, prompt, steps: int, max_cache_len=None, sparse_room="adaptive") -> tuple[float, float]:
+def decode_counts_after_prefill(model, prompt, steps: int, max_cache_len=None, sparse_room="adaptive") -> tuple[float, float]:
     """(host syncs per decoded token, MiB read per decode step: :class:`BytesRead`) of a decode from
     ``prompt``; with ``max_cache_len`` (fixed-shape decode) after its first two steps."""
     token, cache = prefill(model, prompt, max_cache_len, sparse_room)
@@ -309,13 +309,13 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                            new_tokens=new_tokens, prefill_tok_s=batch * length / pre, decode_tok_s=batch * new_tokens / dec,
                            kv_cache_bytes=cache_bytes["total"], kv_cache_allocated_bytes=cache_bytes["allocated"],
                            routed_fraction=statistics.mean(fractions) if fractions else 1.0)
-                row["syncs_per_token"], row["decode_mib_read_per_step"] = syncs_per_token(model, prompt, min(8, new_tokens))
+                row["syncs_per_token"], row["decode_mib_read_per_step"] = decode_counts_after_prefill(model, prompt, min(8, new_tokens))
                 if name != "dense" and per_layer_decode:
                     _, before_cache_generated = outputs[name, "before"]
                     row["same_tokens_as_before"] = bool(torch.equal(before_cache_generated, generated))
                     row["decode_tok_s_before"] = batch * new_tokens / statistics.median(times[name, "before"][1])
                     model.model.decode_skips_unrouted = False
-                    row["syncs_per_token_before"] = syncs_per_token(model, prompt, min(8, new_tokens))[0]
+                    row["syncs_per_token_before"] = decode_counts_after_prefill(model, prompt, min(8, new_tokens))[0]
                     model.model.decode_skips_unrouted = True
                 if fixed_shape and isinstance(outputs[name, "fixed"], Exception):
                     row["fixed_error"] = repr(outputs[name, "fixed"])[:400]
@@ -328,8 +328,8 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                                fixed_relayouts=relayouts,
                                fixed_decode_peak_mib=peaks.get(name),
                                fixed_same_tokens=bool(torch.equal(fixed_generated, generated)),
-                               fixed_syncs_per_token=syncs_per_token(model, prompt, min(8, new_tokens - 2), capacity,
-                                                                     sparse_room)[0])
+                               fixed_syncs_per_token=decode_counts_after_prefill(
+                                   model, prompt, min(8, new_tokens - 2), capacity, sparse_room)[0])
                 rows.append(row)
                 log(f"[generate] batch {batch} prompt {length} {name}: prefill {row['prefill_tok_s']:.0f} tok/s, "
                     f"decode {row['decode_tok_s']:.1f} tok/s, {row['syncs_per_token']:.1f} syncs/token")
