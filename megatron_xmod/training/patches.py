@@ -511,6 +511,7 @@ def routing_state_kept_through_graph_capture(kept_through: Callable) -> None:
     from megatron.core.transformer import cuda_graphs
 
     def around_local(create_cudagraphs):  # a classmethod: ``create_cudagraphs`` is bound to the class
+        @functools.wraps(create_cudagraphs.__func__)
         def create_cudagraphs_keeping_routing_state(cls):
             with kept_through([entry[0].base_module for entry in cls.cudagraph_record]), _moe_metrics_kept():
                 return create_cudagraphs.__func__(cls)
