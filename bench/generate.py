@@ -178,8 +178,9 @@ class BytesRead(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def decode_counts(model, token, cache, steps: int) -> tuple[float, float]:
-    """(host syncs, MiB read: :class:`BytesRead`) per decode step of ``steps`` greedy steps from ``token``.
+def decode_counts(model, token, cache, steps: int) -> tuple[float, float, float]:
+    """(host syncs, MiB of weights read, MiB of keys and values read: :class:`BytesRead`) per decode step of
+    ``steps`` greedy steps from ``token``.
 
     ``python bench/generate.py --bytes-only`` prints the MiB apart (weights, keys and values) for synthetic
     caches, without timing anything."""
@@ -190,7 +191,7 @@ def decode_counts(model, token, cache, steps: int) -> tuple[float, float]:
     if not (read.weights and read.keys_values):
         raise RuntimeError(f"decode_mib_read_per_step: the decode read {read.weights} bytes of weights and "
                            f"{read.keys_values} of keys and values, a count that missed its ops; see BytesRead")
-    return counter.count / steps, (read.weights + read.keys_values) / steps / 2**20
+    return counter.count / steps, read.weights / steps / 2**20, read.keys_values / steps / 2**20
 
 
 def print_bytes(models, hidden, batches, contexts, device) -> None:
@@ -206,19 +207,19 @@ def print_bytes(models, hidden, batches, contexts, device) -> None:
             for name, (model, _) in built.items():
                 cache = synthetic_cache(model, batch, context)
                 decode(model, token, cache, 1)
-                with BytesRead() as read:
-                    decode(model, token, cache, 1)
-                total = read.weights + read.keys_values
+                _, weights, keys_values = decode_counts(model, token, cache, 1)
+                total = weights + keys_values
                 dense_total = total if name == "dense" else dense_total
                 bound = f"{dense_total / total:.2f}" if dense_total else "-"
-                print(f"| {batch} | {context} | {name} | {read.weights / 2**20:.0f} | {read.keys_values / 2**20:.0f} | "
-                      f"{total / 2**20:.0f} | {bound} |", flush=True)
+                print(f"| {batch} | {context} | {name} | {weights:.0f} | {keys_values:.0f} | {total:.0f} | {bound} |",
+                      flush=True)
                 del cache
 
 
-def decode_counts_after_prefill(model, prompt, steps: int, max_cache_len=None, sparse_room="adaptive") -> tuple[float, float]:
-    """(host syncs per decoded token, MiB read per decode step: :class:`BytesRead`) of a decode from
-    ``prompt``; with ``max_cache_len`` (fixed-shape decode) after its first two steps."""
+def decode_counts_after_prefill(model, prompt, steps: int, max_cache_len=None,
+                                sparse_room="adaptive") -> tuple[float, float, float]:
+    """:func:`decode_counts` of a decode from ``prompt``; with ``max_cache_len`` (fixed-shape decode) after its
+    first two steps."""
     token, cache = prefill(model, prompt, max_cache_len, sparse_room)
     if max_cache_len is not None:
         token = decode(model, token, cache, 2)[:, -1:]
@@ -309,7 +310,8 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                            new_tokens=new_tokens, prefill_tok_s=batch * length / pre, decode_tok_s=batch * new_tokens / dec,
                            kv_cache_bytes=cache_bytes["total"], kv_cache_allocated_bytes=cache_bytes["allocated"],
                            routed_fraction=statistics.mean(fractions) if fractions else 1.0)
-                row["syncs_per_token"], row["decode_mib_read_per_step"] = decode_counts_after_prefill(model, prompt, min(8, new_tokens))
+                syncs, weights, keys_values = decode_counts_after_prefill(model, prompt, min(8, new_tokens))
+                row.update(syncs_per_token=syncs, decode_mib_read_per_step=weights + keys_values)
                 if name != "dense" and per_layer_decode:
                     _, before_cache_generated = outputs[name, "before"]
                     row["same_tokens_as_before"] = bool(torch.equal(before_cache_generated, generated))
@@ -376,14 +378,14 @@ def measure_long_context(built, contexts, batches, new_tokens, device, log=print
                 before = cache.entries()
                 decode(model, token, cache, 2)  # warm-up: first calls at this size allocate
                 seconds, _ = time_decode(model, token, cache, new_tokens, device)
-                _, mib_read = decode_counts(model, token, cache, 1)
+                _, weights, keys_values = decode_counts(model, token, cache, 1)
                 cfg = model.config
                 sparse = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse(i)]
                 routed = [(cache.entries()[i] - before[i]) * cfg.layer_sparsity_k[i] for i in sparse]
                 row = dict(model=name, layers=cfg.num_hidden_layers, batch=batch, prompt=context, synthetic_context=True,
                            new_tokens=new_tokens, decode_tok_s=batch * new_tokens / seconds,
                            kv_cache_bytes=cache.nbytes()["total"],
-                           kv_cache_allocated_bytes=cache.nbytes(allocated=True)["total"], decode_mib_read_per_step=mib_read,
+                           kv_cache_allocated_bytes=cache.nbytes(allocated=True)["total"], decode_mib_read_per_step=weights + keys_values,
                            routed_fraction=sum(routed) / (len(sparse) * batch * (new_tokens + 3)) if sparse else 1.0)
                 rows.append(row)
                 log(f"[generate] batch {batch} context {context} (synthetic) {name}: decode {row['decode_tok_s']:.1f} "
