@@ -6,6 +6,11 @@ import torch
 
 from megatron_xmod.cpu_shim import cpu_patches
 
+if os.environ.get("XMOD_TRITON_LAUNCHES") and os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_targets import record_launches  # the interpreted run of helpers.run_triton_interp_tests
+
+    record_launches(os.environ["XMOD_TRITON_LAUNCHES"])
+
 
 @pytest.fixture(scope="session", autouse=True)
 def megatron_on_cpu():

@@ -20,6 +20,7 @@ from graph_replay import NotCapturable, record  # noqa: E402
 from helpers import run_triton_interp_tests  # noqa: E402
 from hf_helpers import left_padded  # noqa: E402
 from test_hf_decode import PAD, VOCAB, cached, prompt, recomputed, routed_model  # noqa: E402
+from triton_targets import check_compiled, compile_for_gpus  # noqa: E402
 
 from megatron_xmod.hf import region_attention as regions  # noqa: E402
 from megatron_xmod.hf.cache import XModCache  # noqa: E402
@@ -393,12 +394,12 @@ def test_a_refill_takes_only_what_its_graph_was_captured_for():
     assert third.static is not state and not first._released
 
 
-def region_case(seed=0, dtype=torch.float32):
-    """Queries of 3 sequences (4 heads, 2 KV heads, head_dim 24: not a power of two) over a flat buffer
-    whose regions hold 1, 70 (over one 64-slot block) and 5 entries, with room after each."""
+def region_case(seed=0, dtype=torch.float32, head_dim=24):
+    """Queries of 3 sequences (4 heads, 2 KV heads, head_dim 24 by default: not a power of two) over a flat
+    buffer whose regions hold 1, 70 (over one 64-slot block) and 5 entries, with room after each."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(3, 4, 1, 24, generator=gen).to(dtype)
-    keys, values = (torch.randn(1, 2, 120, 24, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(3, 4, 1, head_dim, generator=gen).to(dtype)
+    keys, values = (torch.randn(1, 2, 120, head_dim, generator=gen).to(dtype) for _ in range(2))
     starts, ends = torch.tensor([0, 10, 100]), torch.tensor([1, 80, 105])
     return q, keys, values, starts, ends
 
@@ -433,6 +434,17 @@ def test_triton_interp_region_attention_matches_the_reference(dtype):
 
 
 @needs_interp
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_interp_region_attention_at_model_head_dims(head_dim):
+    """The Table 4 backbones' head dims (a 64 x head_dim tile of keys and values a step): what
+    test_region_attention_interpreter compiles for the GPUs."""
+    q, keys, values, starts, ends = region_case(dtype=torch.bfloat16, head_dim=head_dim)
+    got = regions.region_attention_triton(q, keys, values, starts, ends, head_dim ** -0.5)
+    want = regions.region_attention_torch(q.float(), keys.float(), values.float(), starts, ends, head_dim ** -0.5)
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2)
+
+
+@needs_interp
 def test_triton_interp_fixed_shape_decode_through_the_kernel_equals_the_default_path(monkeypatch):
     calls = []
     kernel = regions.region_attention_triton
@@ -450,13 +462,15 @@ def test_triton_interp_fixed_shape_decode_through_the_kernel_equals_the_default_
     assert cache.static.entries() == want_cache.entries()
 
 
-def test_region_attention_interpreter():
-    """Runs this file's ``triton_interp_`` tests under TRITON_INTERPRET=1 (set before Triton defines kernels)."""
+def test_region_attention_interpreter(tmp_path):
+    """Runs this file's ``triton_interp_`` tests under TRITON_INTERPRET=1 (set before Triton defines kernels);
+    then every launch they made compiles for A100 and H100 (sm_80, sm_90) within a block's resources."""
     pytest.importorskip("triton")
     if INTERP:
         pytest.skip("already inside the interpreter run")
-    last = run_triton_interp_tests(__file__, timeout=600)
-    assert "3 passed" in last, last
+    last = run_triton_interp_tests(__file__, timeout=600, launches_to=tmp_path / "launches.json")
+    assert "5 passed" in last, last
+    check_compiled(compile_for_gpus(tmp_path / "launches.json"), {"_region_attention_kernel"})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh runs it)")

@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import run_triton_interp_tests
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton_targets import check_compiled, compile_for_gpus
 
 import megatron_xmod
 from megatron_xmod.xmod import permute
@@ -279,6 +280,15 @@ def test_triton_interp_partial_grads(need):
 
 
 @needs_interp
+@pytest.mark.parametrize("h", [2048, 8192])
+def test_triton_interp_at_model_widths(h):
+    # the 1.65b backbone's width (one 2048-element block, 8 warps) and a wider one (two 4096-element chunks):
+    # test_triton_interpreter compiles these launches for the GPUs, at the block sizes they train with
+    inputs = make_inputs((4, 1, h, 2), torch.bfloat16, seed=6)
+    check_against_truth(run_backend("triton", *inputs), *inputs)
+
+
+@needs_interp
 def test_triton_interp_chunked_rows(monkeypatch):
     # Rows wider than one program block take the multi-chunk loop (h > 4096 on real shapes).
     from megatron_xmod.xmod.permute import triton_ops
@@ -345,11 +355,16 @@ def test_triton_interp_residual_is_handed_over_only_for_the_gathered_x():
         (idx, cols), torch.tensor(True))], torch.zeros(6 * 2 - idx.numel(), 4))
 
 
-def test_triton_interpreter():
+def test_triton_interpreter(tmp_path):
+    """This file's ``triton_interp_`` tests under TRITON_INTERPRET=1; then every launch they made compiles for
+    A100 and H100 (sm_80, sm_90) to a cubin that fits a block's registers and shared memory."""
     pytest.importorskip("triton")
     if INTERP:
         pytest.skip("already inside the interpreter run")
-    run_triton_interp_tests(__file__, drop_env=(dispatch.ENV_BACKEND,), timeout=240)
+    run_triton_interp_tests(__file__, drop_env=(dispatch.ENV_BACKEND,), timeout=240,
+                            launches_to=tmp_path / "launches.json")
+    check_compiled(compile_for_gpus(tmp_path / "launches.json"),
+                   {"_gather_kernel", "_scatter_add_gated_kernel", "_scatter_backward_kernel"})
 
 
 # ---------------------------------------------------------------- CUDA extension

@@ -146,14 +146,15 @@ def _select_kernel(logits_ptr, rbias_ptr, scale_ptr, carry_ptr, prev_ptr, scores
             tl.atomic_add(stats_ptr + tl.load(offsets_ptr + 2), inter.to(tl.float32))
             tl.atomic_add(stats_ptr + tl.load(offsets_ptr + 3), union.to(tl.float32))
         if HAS_BCE:
-            at = offsets_ptr + n_counted - 2  # the BCE's metric, then the micro-batch loss
-            tl.atomic_add(stats_ptr + tl.load(at), bce * inv_tokens)
-            tl.atomic_add(stats_ptr + tl.load(at + 1), bce * inv_tokens)
+            bce_at = offsets_ptr + n_counted - 2  # the BCE's metric, then the micro-batch loss
+            tl.atomic_add(stats_ptr + tl.load(bce_at), bce * inv_tokens)
+            tl.atomic_add(stats_ptr + tl.load(bce_at + 1), bce * inv_tokens)
         if c == 0:  # the call's constants, once
+            # (a name of its own: the GPU compiler refuses a name a runtime branch rebinds to another type)
             j = tl.arange(0, CONST_BLOCK)
             jm = j < n_constants
-            at = tl.load(offsets_ptr + n_counted + j, mask=jm, other=0)
-            tl.atomic_add(stats_ptr + at, tl.load(constants_ptr + j, mask=jm, other=0.0), mask=jm)
+            constant_at = tl.load(offsets_ptr + n_counted + j, mask=jm, other=0)
+            tl.atomic_add(stats_ptr + constant_at, tl.load(constants_ptr + j, mask=jm, other=0.0), mask=jm)
 
 
 @triton.jit

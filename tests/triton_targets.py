@@ -1,0 +1,181 @@
+"""Compile the package's Triton kernels for real GPU targets on a machine without a GPU (a test tool).
+
+The CPU tests run the kernels under ``TRITON_INTERPRET=1``, which executes them as numpy and accepts code
+the GPU compiler rejects (types, constexpr use, shapes of ``tl.arange``), and says nothing of what a
+launch needs on a device (registers, shared memory). Triton's compiler runs without a GPU once its
+driver is told the target, and ptxas comes with the Triton wheel, so this tool compiles every kernel
+launch the interpreted tests made, down to a cubin, for A100 (sm_80) and H100/H200 (sm_90), and reads
+each cubin's register and shared-memory use with the wheel's ``cuobjdump``:
+
+1. :func:`record_launches` (installed by ``conftest.py`` when ``XMOD_TRITON_LAUNCHES`` names a file, in
+   the child pytest of ``helpers.run_triton_interp_tests``) writes one descriptor per distinct
+   specialisation of each launch: the kernel, its arguments' types as Triton specialises them (a
+   tensor's dtype and 16-byte alignment, an integer's value), constexprs and launch options.
+2. ``python tests/triton_targets.py LAUNCHES.json`` (:func:`compile_for_gpus` runs it in a process of
+   its own: without ``TRITON_INTERPRET`` the kernels are real ``JITFunction`` objects) rebuilds each
+   launch with stand-in CPU tensors of the recorded dtypes and alignment, compiles it with
+   ``JITFunction.warmup`` (compile only, nothing launched) per target, and prints one JSON line per
+   compiled kernel.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+
+TARGETS = {80: "A100", 90: "H100/H200"}
+# the most a block may use (dynamic shared memory opted in); registers per block are 64K 32-bit on both
+SHARED_LIMIT = {80: 166912, 90: 232448}
+REGISTERS_PER_BLOCK = 65536
+
+
+def _describe(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {"tensor": str(value.dtype).removeprefix("torch."), "misaligned": value.data_ptr() % 16}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    raise TypeError(f"triton_targets: cannot record a kernel argument of type {type(value).__name__}")
+
+
+def _specialisation(described, constexpr: bool):
+    """What Triton compiles a distinct kernel for: a constexpr's value; an integer argument's 1-ness,
+    16-divisibility and width, not its value."""
+    value = described.get("value")
+    if not constexpr and isinstance(value, int) and not isinstance(value, bool):
+        return ["int", value == 1, value % 16 == 0, -2**31 <= value < 2**31]
+    return described
+
+
+def record_launches(path: str) -> None:
+    """Record every launch of an interpreted kernel from now on; the distinct ones go to ``path`` at exit."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen: dict[str, dict] = {}
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        launch = {"module": self.fn.__module__, "kernel": self.fn.__qualname__,
+                  "args": [_describe(a) for a in args],
+                  "kwargs": {name: _describe(value) for name, value in sorted(kwargs.items())}}
+        params = list(inspect.signature(self.fn).parameters.values())
+        constexpr = ["constexpr" in str(p.annotation) for p in params]
+        # keyword arguments are the kernels' constexprs and the launch options (num_warps): kept by value
+        key = json.dumps([launch["module"], launch["kernel"],
+                          [_specialisation(a, c) for a, c in zip(launch["args"], constexpr)], launch["kwargs"]])
+        seen.setdefault(key, launch)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording_run
+    atexit.register(lambda: json.dump(list(seen.values()), open(path, "w"), indent=1))
+
+
+def _stand_in(described):
+    import torch
+
+    if "tensor" not in described:
+        return described["value"]
+    dtype = getattr(torch, described["tensor"])
+    size = torch.empty((), dtype=dtype).element_size()
+    base = torch.empty(64 // size + 16, dtype=dtype)  # CPU storage is 64-byte aligned
+    skip = (-base.data_ptr() % 64 + described["misaligned"]) // size
+    return base[skip:skip + 16]
+
+
+def _target_only_driver(arch: int):
+    """Triton's CUDA driver with the device questions answered for ``arch`` (nothing is launched)."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver
+
+    class TargetOnly(CudaDriver):
+        def __init__(self):  # CudaDriver's would load libcuda
+            self.target = GPUTarget("cuda", arch, 32)
+
+        def get_current_target(self):
+            return self.target
+
+        def get_current_device(self):
+            return arch  # the JIT keeps one kernel cache per device: one per target here
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    return TargetOnly()
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", handle.name], capture_output=True, text=True,
+                              check=True).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
+    return {"registers": int(usage[1]), "stack": int(usage[2]), "local": int(usage[4])}
+
+
+def compile_launches(launches: list[dict], archs=tuple(TARGETS)) -> list[dict]:
+    """Compile each recorded launch for each of ``archs``: one result per (launch, arch)."""
+    from triton.runtime import driver
+
+    results = []
+    for arch in archs:  # the process ends after: no driver to reset to on a machine without a GPU
+        driver.set_active(_target_only_driver(arch))
+        for launch in launches:
+            kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+            args = [_stand_in(a) for a in launch["args"]]
+            kwargs = {name: _stand_in(v) for name, v in launch["kwargs"].items()}
+            result = {"kernel": launch["kernel"], "arch": arch}
+            try:
+                compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+            except Exception as error:  # reported, not raised: the test names every failing launch
+                result["error"] = f"{type(error).__name__}: {error}"[:2000]
+            else:
+                meta = compiled.metadata
+                result.update(num_warps=meta.num_warps, shared=meta.shared, cubin_bytes=len(compiled.asm["cubin"]),
+                              **_resource_usage(compiled.asm["cubin"]))
+            results.append(result)
+    return results
+
+
+def compile_for_gpus(launches_path: str, timeout: int = 600) -> list[dict]:
+    """Run :func:`compile_launches` on the launches recorded in ``launches_path`` in a fresh process (without
+    TRITON_INTERPRET: the kernels must be real JIT functions). Returns its results."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "XMOD_TRITON_LAUNCHES")}
+    proc = subprocess.run([sys.executable, __file__, launches_path], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def check_compiled(results: list[dict], kernels: set[str]) -> None:
+    """Every launch compiled for every target and fits a block's registers and shared memory there without
+    spilling registers to local memory; every kernel of ``kernels`` was among them."""
+    failed = [f"{r['kernel']} sm_{r['arch']}: {r['error']}" for r in results if "error" in r]
+    assert not failed, "\n".join(failed)
+    for r in results:
+        assert r["shared"] <= SHARED_LIMIT[r["arch"]], r
+        assert r["registers"] * 32 * r["num_warps"] <= REGISTERS_PER_BLOCK, r
+        assert r["local"] == 0, f"{r['kernel']} spills registers to local memory on sm_{r['arch']}: {r}"
+    assert {r["arch"] for r in results} == set(TARGETS), results
+    missing = kernels - {r["kernel"] for r in results}
+    assert not missing, f"no interpreted test launched {sorted(missing)}"
+
+
+if __name__ == "__main__":
+    for line in compile_launches(json.load(open(sys.argv[1]))):
+        print(json.dumps(line), flush=True)
