@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import run_triton_interp_tests
 from torch.utils._python_dispatch import TorchDispatchMode
-from triton_targets import check_compiled, compile_for_gpus
+from triton_targets import binary_resource_usage, check_compiled, compile_for_gpus
 
 import megatron_xmod
 from megatron_xmod.xmod import permute
@@ -402,6 +402,21 @@ def test_cuda_extension_imports_and_fails_clearly_without_gpu():
     # The extension and its wrapper expose the three primitives the dispatcher calls.
     for name in ("gather", "scatter_add_gated", "scatter_backward"):
         assert callable(getattr(_permute_cuda, name)) and callable(getattr(cuda_ops, name)), name
+
+
+def test_cuda_extension_holds_both_targets_kernels_without_spills():
+    """setup.py builds for sm_80 and sm_90 where no GPU says which: both cubins hold the three kernels for
+    each dtype, and none spills registers to local memory (read with the Triton wheel's cuobjdump)."""
+    pytest.importorskip("triton")
+    if not _built_ext():
+        pytest.skip("extension not built (no CUDA toolkit at install time)")
+    kernels = binary_resource_usage(_built_ext()[0])
+    for arch in (80, 90):
+        names = [k["kernel"] for k in kernels if k["arch"] == arch]
+        for kernel in ("gather_rows_kernel", "scatter_add_gated_rows_kernel", "scatter_backward_kernel"):
+            for dtype in ("__nv_bfloat16", "__half", "If"):
+                assert any(kernel in name and dtype in name for name in names), (arch, kernel, dtype, names)
+    assert kernels and all(k["local"] == 0 for k in kernels), kernels
 
 
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")

@@ -113,19 +113,39 @@ def _target_only_driver(arch: int):
     return TargetOnly()
 
 
-def _resource_usage(cubin: bytes) -> dict:
-    import tempfile
-
+def _cuobjdump(*args: str) -> str:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return subprocess.run([tool, *args], capture_output=True, text=True, check=True).stdout
+
+
+_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    import tempfile
+
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", handle.name], capture_output=True, text=True,
-                              check=True).stdout
-    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
+        usage = _USAGE.search(_cuobjdump("--dump-resource-usage", handle.name))
     return {"registers": int(usage[1]), "stack": int(usage[2]), "local": int(usage[4])}
+
+
+def binary_resource_usage(path: str) -> list[dict]:
+    """Each kernel of each cubin a host binary embeds (a CUDA extension's .so): its arch, (mangled) name,
+    registers, shared and local memory."""
+    kernels, arch = [], None
+    for line in _cuobjdump("--dump-resource-usage", path).splitlines():
+        if line.startswith("arch = sm_"):
+            arch = int(line.removeprefix("arch = sm_"))
+        elif line.strip().startswith("Function "):
+            kernels.append({"arch": arch, "kernel": line.strip().removeprefix("Function ").rstrip(":")})
+        elif (usage := _USAGE.search(line)) and kernels:
+            kernels[-1].update(registers=int(usage[1]), stack=int(usage[2]), shared=int(usage[3]),
+                               local=int(usage[4]))
+    return kernels
 
 
 def compile_launches(launches: list[dict], archs=tuple(TARGETS)) -> list[dict]:
