@@ -6,7 +6,7 @@ import sys
 import textwrap
 
 import pytest
-from triton_targets import check_compiled, compile_for_gpus
+from triton_targets import check_compiled, compile_for_gpus, flag_combinations
 
 pytest.importorskip("triton")
 
@@ -72,3 +72,12 @@ def test_interpreted_launches_that_no_gpu_compiles_are_named(tmp_path, monkeypat
     check_compiled(by_kernel["copy_scaled_kernel"], {"copy_scaled_kernel"})
     with pytest.raises(AssertionError, match="no interpreted test launched"):
         check_compiled(by_kernel["copy_scaled_kernel"], {"copy_scaled_kernel", "never_launched_kernel"})
+
+
+def test_flag_combinations_vary_only_the_boolean_constexprs():
+    launch = {"module": "m", "kernel": "k", "args": [{"value": 3}],
+              "kwargs": {"HAS_X": {"value": True}, "NEED_Y": {"value": False}, "BLOCK": {"value": 64}}}
+    combined = flag_combinations([launch, dict(launch, args=[{"value": 5}])])  # the kernel's first launch only
+    assert sorted((c["kwargs"]["HAS_X"]["value"], c["kwargs"]["NEED_Y"]["value"]) for c in combined) == [
+        (False, False), (False, True), (True, False), (True, True)]
+    assert all(c["kwargs"]["BLOCK"] == {"value": 64} and c["args"] == [{"value": 3}] for c in combined)

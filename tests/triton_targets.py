@@ -1,8 +1,8 @@
 """Compile the package's Triton kernels for real GPU targets on a machine without a GPU (a test tool).
 
 The CPU tests run the kernels under ``TRITON_INTERPRET=1``, which executes them as numpy and accepts code
-the GPU compiler rejects (types, constexpr use, shapes of ``tl.arange``), and says nothing of what a
-launch needs on a device (registers, shared memory). Triton's compiler runs without a GPU once its
+the GPU compiler rejects (a name a runtime branch rebinds to another type, a call of a plain Python
+function), and says nothing of what a launch needs on a device (registers, shared memory). Triton's compiler runs without a GPU once its
 driver is told the target, and ptxas comes with the Triton wheel, so this tool compiles every kernel
 launch the interpreted tests made, down to a cubin, for A100 (sm_80) and H100/H200 (sm_90), and reads
 each cubin's register and shared-memory use with the wheel's ``cuobjdump``:
@@ -15,7 +15,9 @@ each cubin's register and shared-memory use with the wheel's ``cuobjdump``:
    its own: without ``TRITON_INTERPRET`` the kernels are real ``JITFunction`` objects) rebuilds each
    launch with stand-in CPU tensors of the recorded dtypes and alignment, compiles it with
    ``JITFunction.warmup`` (compile only, nothing launched) per target, and prints one JSON line per
-   compiled kernel.
+   compiled kernel. ``--all-flag-combinations`` compiles, for sm_90, each kernel's first launch with
+   every combination of its boolean constexprs instead (192 for the routing kernels: ~70 s on 2 cores,
+   which is why the suite compiles what the tests launch).
 """
 from __future__ import annotations
 
@@ -196,6 +198,34 @@ def check_compiled(results: list[dict], kernels: set[str]) -> None:
     assert not missing, f"no interpreted test launched {sorted(missing)}"
 
 
+def flag_combinations(launches: list[dict]) -> list[dict]:
+    """Each kernel's first launch with every combination of its boolean keyword arguments (constexprs)."""
+    import itertools
+
+    first = {}
+    for launch in launches:
+        first.setdefault((launch["module"], launch["kernel"]), launch)
+    combined = []
+    for launch in first.values():
+        flags = [name for name, value in launch["kwargs"].items() if isinstance(value.get("value"), bool)]
+        for values in itertools.product([False, True], repeat=len(flags)):
+            kwargs = dict(launch["kwargs"], **{name: {"value": v} for name, v in zip(flags, values)})
+            combined.append(dict(launch, kwargs=kwargs))
+    return combined
+
+
 if __name__ == "__main__":
-    for line in compile_launches(json.load(open(sys.argv[1]))):
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Compile recorded Triton launches for GPU targets, no GPU needed.")
+    parser.add_argument("launches", help="a file written by record_launches")
+    parser.add_argument("--all-flag-combinations", action="store_true",
+                        help="every combination of each kernel's boolean constexprs, for sm_90")
+    options = parser.parse_args()
+    recorded = json.load(open(options.launches))
+    if options.all_flag_combinations:
+        results = compile_launches(flag_combinations(recorded), archs=(90,))
+    else:
+        results = compile_launches(recorded)
+    for line in results:
         print(json.dumps(line), flush=True)
