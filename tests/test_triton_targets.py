@@ -6,9 +6,10 @@ import sys
 import textwrap
 
 import pytest
-from triton_targets import check_compiled, compile_for_gpus, flag_combinations
 
 pytest.importorskip("triton")
+
+from triton_targets import check_compiled, compile_for_gpus, flag_combinations  # noqa: E402
 
 KERNELS = textwrap.dedent('''
     import torch
@@ -34,19 +35,29 @@ KERNELS = textwrap.dedent('''
         tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=m) * scale, mask=m)
 
 
+    @triton.jit
+    def crowded_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):  # four 4096-element blocks live in one warp
+        offs = tl.arange(0, BLOCK)
+        a, b = tl.load(x_ptr + offs), tl.load(x_ptr + BLOCK + offs)
+        c, d = tl.load(x_ptr + 2 * BLOCK + offs), tl.load(x_ptr + 3 * BLOCK + offs)
+        tl.store(out_ptr + offs, a * tl.sum(b * c, axis=0) + d * tl.sum(a * b, axis=0))
+        tl.store(out_ptr + BLOCK + offs, b * tl.sum(c * d, axis=0) + c * tl.sum(a * d, axis=0))
+
+
     def run():
         x = torch.arange(24.0)
         out, scaled = torch.empty(24), torch.empty(24, dtype=torch.bfloat16)
         copy_twice_kernel[(1,)](x, out, 24, BLOCK=32)
         copy_scaled_kernel[(1,)](x, scaled, 24, 0.5, BLOCK=32)
         copy_scaled_kernel[(1,)](x, scaled, 24, 0.5, BLOCK=32)  # the same specialisation: recorded once
+        crowded_kernel[(1,)](torch.ones(4 * 4096), torch.empty(2 * 4096), BLOCK=4096, num_warps=1)
         return out, scaled
 ''')
 
 
 def test_interpreted_launches_that_no_gpu_compiles_are_named(tmp_path, monkeypatch):
     (tmp_path / "toy_kernels.py").write_text(KERNELS)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     launches = tmp_path / "launches.json"
     script = ("import sys; sys.path.insert(0, sys.argv[1]); from triton_targets import record_launches; "
               "record_launches(sys.argv[2]); import toy_kernels; out, scaled = toy_kernels.run(); "
@@ -60,13 +71,17 @@ def test_interpreted_launches_that_no_gpu_compiles_are_named(tmp_path, monkeypat
     by_kernel = {}
     for result in results:
         by_kernel.setdefault(result["kernel"], []).append(result)
-    assert sorted(by_kernel) == ["copy_scaled_kernel", "copy_twice_kernel"]
+    assert sorted(by_kernel) == ["copy_scaled_kernel", "copy_twice_kernel", "crowded_kernel"]
     assert [r["arch"] for r in by_kernel["copy_scaled_kernel"]] == [80, 90]  # once per target
     for good in by_kernel["copy_scaled_kernel"]:
         assert "error" not in good, good
-        assert good["registers"] > 0 and good["cubin_bytes"] > 0 and good["local"] == 0, good
+        assert good["registers"] > 0 and good["cubin_bytes"] > 0 and good["spill_stores"] == 0, good
     for bad in by_kernel["copy_twice_kernel"]:
         assert "_twice" in bad["error"], bad
+    for crowded in by_kernel["crowded_kernel"]:  # compiles, but spills registers (into its stack frame)
+        assert "error" not in crowded and crowded["stack"] > 0 and crowded["spill_stores"] > 0, crowded
+    with pytest.raises(AssertionError, match="crowded_kernel spills registers on sm_80"):
+        check_compiled(by_kernel["crowded_kernel"], {"crowded_kernel"})
     with pytest.raises(AssertionError, match=r"copy_twice_kernel sm_80: .*_twice"):
         check_compiled(results, {"copy_scaled_kernel"})
     check_compiled(by_kernel["copy_scaled_kernel"], {"copy_scaled_kernel"})

@@ -89,8 +89,11 @@ def region_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     _, kv_heads, slots, _ = keys.shape
     q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
     out = torch.empty_like(q)
+    block_d = triton.next_power_of_2(dim)
+    # 8 warps from head dim 128: with 4, a thread holds 64 of each 64 x 128 key and value block and the bf16
+    # kernel spills registers on sm_90 (tests/triton_targets.py)
     _region_attention_kernel[(b, heads)](q, keys, values, starts, ends, out, scale, slots, heads, heads // kv_heads,
-                                         dim, BLOCK=block, BLOCK_D=triton.next_power_of_2(dim))
+                                         dim, BLOCK=block, BLOCK_D=block_d, num_warps=8 if block_d >= 128 else 4)
     return out
 
 
