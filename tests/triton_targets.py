@@ -49,10 +49,12 @@ def _describe(value):
 
 def _specialisation(described, constexpr: bool):
     """What Triton compiles a distinct kernel for: a constexpr's value; an integer argument's 1-ness,
-    16-divisibility and width, not its value."""
+    16-divisibility and width, not its value; a float argument's type only (fp32)."""
     value = described.get("value")
     if not constexpr and isinstance(value, int) and not isinstance(value, bool):
         return ["int", value == 1, value % 16 == 0, -2**31 <= value < 2**31]
+    if not constexpr and isinstance(value, float):
+        return ["fp32"]
     return described
 
 
