@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -49,19 +50,23 @@ def record_in_place(layers) -> list:
     return in_place
 
 
-def run_triton_interp_tests(test_file: str, drop_env=(), timeout: int = 300, launches_to=None) -> str:
+def run_triton_interp_tests(test_file: str, kernels: set[str], drop_env=(), timeout: int = 300) -> str:
     """Run ``test_file``'s ``triton_interp_`` tests in a child pytest under TRITON_INTERPRET=1, which must be
-    set before Triton defines its kernels; they must pass and none be skipped. ``drop_env``: variables the
-    child must not inherit besides MASTER_ADDR / MASTER_PORT (conftest exports those for this session's
-    process group: the child needs its own). ``launches_to``: a file the child writes its kernel launches
-    to (``triton_targets.record_launches``). Returns the child's summary line."""
+    set before Triton defines its kernels; they must pass and none be skipped. Then every kernel launch they
+    made must compile for A100 and H100 (sm_80, sm_90) within a block's resources, without spilling, and
+    ``kernels`` must be among them (triton_targets.check_compiled). ``drop_env``: variables the child must
+    not inherit besides MASTER_ADDR / MASTER_PORT (conftest exports those for this session's process group:
+    the child needs its own). Returns the child's summary line."""
+    from triton_targets import check_compiled, compile_for_gpus
+
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", *drop_env)}
     env["TRITON_INTERPRET"] = "1"
-    if launches_to is not None:
-        env["XMOD_TRITON_LAUNCHES"] = str(launches_to)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "triton_interp_"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in last and "skipped" not in last, last
+    with tempfile.TemporaryDirectory() as folder:
+        env["XMOD_TRITON_LAUNCHES"] = launches = os.path.join(folder, "launches.json")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "triton_interp_"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        last = proc.stdout.strip().splitlines()[-1]
+        assert " passed" in last and "skipped" not in last, last
+        check_compiled(compile_for_gpus(launches), kernels)
     return last

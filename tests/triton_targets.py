@@ -2,16 +2,18 @@
 
 The CPU tests run the kernels under ``TRITON_INTERPRET=1``, which executes them as numpy and accepts code
 the GPU compiler rejects (a name a runtime branch rebinds to another type, a call of a plain Python
-function), and says nothing of what a launch needs on a device (registers, shared memory). Triton's compiler runs without a GPU once its
-driver is told the target, and ptxas comes with the Triton wheel, so this tool compiles every kernel
+function), and says nothing of what a launch needs on a device (registers, shared memory). Triton's
+compiler runs without a GPU once its driver is told the target, and ptxas comes with the Triton wheel,
+so this tool compiles every kernel
 launch the interpreted tests made, down to a cubin, for A100 (sm_80) and H100/H200 (sm_90), and reads
 each cubin's registers and stack frame with the wheel's ``cuobjdump`` (and, where there is a frame, the
 bytes ptxas spills registers to, with ``ptxas -v``):
 
 1. :func:`record_launches` (installed by ``conftest.py`` when ``XMOD_TRITON_LAUNCHES`` names a file, in
    the child pytest of ``helpers.run_triton_interp_tests``) writes one descriptor per distinct
-   specialisation of each launch: the kernel, its arguments' types as Triton specialises them (a
-   tensor's dtype and 16-byte alignment, an integer's value), constexprs and launch options.
+   specialisation of each launch: the kernel, its arguments as Triton specialises them (a tensor's dtype
+   and 16-byte alignment, an integer's 1-ness, 16-divisibility and width, a float as fp32), constexprs and
+   launch options by value.
 2. ``python tests/triton_targets.py LAUNCHES.json`` (:func:`compile_for_gpus` runs it in a process of
    its own: without ``TRITON_INTERPRET`` the kernels are real ``JITFunction`` objects) rebuilds each
    launch with stand-in CPU tensors of the recorded dtypes and alignment, compiles it with
@@ -63,14 +65,16 @@ def record_launches(path: str) -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     seen: dict[str, dict] = {}
+    constexprs: dict = {}  # kernel function -> which of its parameters are constexpr
     run = InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         launch = {"module": self.fn.__module__, "kernel": self.fn.__qualname__,
                   "args": [_describe(a) for a in args],
                   "kwargs": {name: _describe(value) for name, value in sorted(kwargs.items())}}
-        params = list(inspect.signature(self.fn).parameters.values())
-        constexpr = ["constexpr" in str(p.annotation) for p in params]
+        if self.fn not in constexprs:
+            constexprs[self.fn] = ["constexpr" in str(p.annotation) for p in inspect.signature(self.fn).parameters.values()]
+        constexpr = constexprs[self.fn]
         # keyword arguments are the kernels' constexprs and the launch options (num_warps): kept by value
         key = json.dumps([launch["module"], launch["kernel"],
                           [_specialisation(a, c) for a, c in zip(launch["args"], constexpr)], launch["kwargs"]])
