@@ -80,7 +80,8 @@ def _cuda_extension():
          f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
     ext = CUDAExtension(
         name="megatron_xmod._permute_cuda",
-        sources=["csrc/permute_bindings.cpp", "csrc/permute_kernels.cu"],
+        sources=["csrc/permute_bindings.cpp", "csrc/permute_kernels.cu", "csrc/graph_if_node_bindings.cpp",
+                 "csrc/graph_if_node.cu"],
         include_dirs=include_dirs,
         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
     )

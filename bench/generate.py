@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the sync counter is a test tool, shar
 from throughput import git_commit, keep_freed_memory, loadavg, machine_name  # noqa: E402  (bench/, this script's folder)
 
 from megatron_xmod.hf.modeling_xmod import PREFILL_ATTENTION  # noqa: E402
-from megatron_xmod.hf.static_decode import SPARSE_ROOM_POLICIES  # noqa: E402
+from megatron_xmod.hf.static_decode import SPARSE_ROOM_POLICIES, if_node_provider  # noqa: E402
 
 MODELS = ("dense", "mod", "xmod-a4k8", "xmod-a3k16")
 
@@ -419,7 +419,8 @@ def compare_with_dense(rows) -> None:
 
 def render_markdown(meta, rows) -> str:
     out = [f"# Generation speed ({meta['date']})", "",
-           f"- machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; {meta['dtype']}",
+           f"- machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; {meta['dtype']}; "
+           f"the fixed-shape decode's CUDA-graph IF nodes from: {meta.get('if_nodes', '-')}",
            f"- hidden {meta['hidden']}, greedy, {meta['new_tokens']} new tokens, median of {meta['repeats']} interleaved "
            f"runs; routers calibrated to route 1/K (see the script's docstring)",
            f"- load average before/after (1/5/15 min): {meta['loadavg_start']} / {meta['loadavg']}",
@@ -467,9 +468,13 @@ def render_markdown(meta, rows) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(rows, path):
-    import matplotlib
-
+def plot(rows, path) -> bool:
+    """Draw decode tokens/s against the prompt length to ``path``; False where matplotlib is not installed
+    (the GPU machine: ``--plot RESULTS.json`` draws it later from the results)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -492,6 +497,7 @@ def plot(rows, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def main(argv=None):
@@ -517,9 +523,17 @@ def main(argv=None):
     p.add_argument("--bytes-only", action="store_true",
                    help="print the MiB a decode step reads (weights, keys and values apart) from synthetic caches of "
                         "--long-contexts tokens at --batches, and exit (no timing)")
+    p.add_argument("--plot", metavar="RESULTS_JSON",
+                   help="draw the PNG of a results file (one written where matplotlib was missing) next to it, and exit")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = p.parse_args(argv)
+    if args.plot:
+        results = Path(args.plot)
+        if not plot(json.loads(results.read_text())["rows"], results.with_suffix(".png")):
+            p.error("--plot: matplotlib is not installed")
+        print(results.with_suffix(".png"))
+        return None
     if args.quick:
         args.hidden, args.prompts, args.batches, args.new_tokens, args.repeats = 64, [32], [1, 2], 8, 1
     device = torch.device(args.device)
@@ -532,14 +546,19 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     stem = f"generate_{device.type}_{datetime.date.today().strftime('%Y%m%d')}" + ("_quick" if args.quick else "") + args.tag
 
+    unplotted = []  # the results whose PNG could not be drawn (matplotlib missing): said once
+
     def write(rows):
         meta = dict(date=datetime.date.today().isoformat(), machine=machine_name(device), commit=git_commit(),
                     torch=torch.__version__, dtype="fp32", hidden=args.hidden, new_tokens=args.new_tokens,
                     repeats=args.repeats, loadavg_start=loadavg_start, loadavg=loadavg(), steady_malloc=steady_malloc,
-                    prefill_attention=args.prefill_attention)
+                    prefill_attention=args.prefill_attention, if_nodes=if_node_provider())
         (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         (out / f"{stem}.md").write_text(render_markdown(meta, rows))
-        plot(rows, out / f"{stem}.png")
+        if not plot(rows, out / f"{stem}.png") and not unplotted:
+            unplotted.append(stem)
+            print(f"[generate] no PNG: matplotlib is not installed; draw it elsewhere with "
+                  f"python bench/generate.py --plot {stem}.json", flush=True)
         return meta
 
     longest = max(args.prompts + args.long_contexts) + args.new_tokens + 8

@@ -25,8 +25,12 @@
 #   bench/gpu_check.sh                 # on the GPU machine ($OUT set by the device tool)
 #   bench/gpu_check.sh --cpu           # the same steps end to end at tiny sizes, here (CI)
 #   bench/gpu_check.sh --plan          # print the steps and their caps
-#   bench/gpu_check.sh --fetch-wheels  # here, with network: the wheels into runs/gpu_wheels (~20 MB)
-# Env: PY (python), OUT (results), WHEELS (wheel folder, default runs/gpu_wheels).
+#   bench/gpu_check.sh --fetch-wheels  # here, with network: the wheels into runs/gpu_wheels (~50 MB)
+#   bench/gpu_check.sh --pins          # the carried wheels' pins, one a line
+# --cpu runs every step with the GPU machine's packages only: torch, its own requirements and the wheels
+# below (bench/gpu_machine_env.py), so that a step importing anything else fails here, not in the GPU window.
+# Env: PY (python), OUT (results), WHEELS (wheel folder, default runs/gpu_wheels), GPU_MACHINE_PACKAGES
+# (--cpu: 0 = this environment as it is).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -47,6 +51,7 @@ MODE=gpu
 CAP_SCALE="${CAP_SCALE:-}"
 case "${1:-}" in
   --cpu) MODE=cpu ;;
+  --pins) printf '%s\n' "${WHEEL_PINS[@]}"; exit 0 ;;
   --plan)
     total=0
     for s in "${STEPS[@]}"; do echo "$s ${CAP[$s]}"; total=$((total + CAP[$s])); done
@@ -58,7 +63,7 @@ case "${1:-}" in
       -d "$WHEELS" "${WHEEL_PINS[@]}" || exit 1
     ls -l "$WHEELS"; du -sh "$WHEELS"; exit 0 ;;
   "") ;;
-  *) echo "bench/gpu_check.sh: unknown option '$1'; use --cpu, --plan or --fetch-wheels" >&2; exit 2 ;;
+  *) echo "bench/gpu_check.sh: unknown option '$1'; use --cpu, --plan, --pins or --fetch-wheels" >&2; exit 2 ;;
 esac
 
 # --cpu: the caps are the GPU run's; the shared CPU gets CAP_SCALE times them (default 4).
@@ -69,6 +74,14 @@ if [ -z "$PY" ]; then
 fi
 OUT="${OUT:-$ROOT/bench/results/gpu_check_${MODE}_$(date -u +%Y%m%d_%H%M%S)}"
 mkdir -p "$OUT"
+if [ "$MODE" = cpu ] && [ "${GPU_MACHINE_PACKAGES:-1}" = 1 ]; then
+  # The steps see only what the GPU machine has: torch with its own requirements and the carried wheels
+  # (bench/gpu_machine_env.py; GPU_MACHINE_PACKAGES=0 runs them in this environment as it is). The view, links
+  # into this environment, lives in a temporary folder of its own, removed at exit (links only).
+  VIEW_DIR="$(mktemp -d "${TMPDIR:-/tmp}/xmod_gpu_machine_env.XXXXXX")" || exit 1
+  trap 'rm -rf "$VIEW_DIR"' EXIT
+  PY="$("$PY" bench/gpu_machine_env.py "$VIEW_DIR" "${WHEEL_PINS[@]}")" || exit 1
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/xmod_triton_cache}"
 SUMMARY="$OUT/summary.txt"

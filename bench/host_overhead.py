@@ -323,13 +323,27 @@ def graph_rows(device, models=("dense", "xmod-a3k16"), backbone=HOST_BACKBONE, s
     return rows
 
 
+def fitting_seq_len(backbone, model: str, seq_len: int, device, least: int = 4096) -> int:
+    """``seq_len``, halved (not below ``least``) while throughput.py's estimate of ``model``'s training memory
+    exceeds 90% of the GPU's: A3K16 at 298m and L = 32768 is ~117 GB by that estimate, which an H200 holds
+    and an H100 does not."""
+    if device.type != "cuda":
+        return seq_len
+    total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    while seq_len // 2 >= least and sum(throughput.estimated_parts_gib(backbone, model, seq_len, 1)) > 0.9 * total_gib:
+        seq_len //= 2
+    return seq_len
+
+
 def profile_steps(device, models=("dense", "xmod-a3k16"), backbone=HOST_BACKBONE, seq_len=128) -> list[dict]:
     """One training step (one micro-batch, after a warm-up step) under torch.profiler: wall, host
     (sum of the ops' self CPU time; the profiler's own overhead included) and device (sum of the
-    kernels' time) per step."""
+    kernels' time) per step. Every model at the longest of ``seq_len``, ``seq_len`` / 2, ... that the
+    memory estimate fits on the GPU (the row's seq_len)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    seq_len = min(fitting_seq_len(backbone, m, seq_len, device) for m in models)  # one length: the rows compare
     rows = []
     for m in models:
         try:
@@ -531,7 +545,7 @@ def _run(a, device, backbone) -> int:
             stamp("graphs")  # before the (slower) profiled steps; a failed capture's error is a result
             found["graphs"] = graph_rows(device, pair, backbone, a.seq_len)
             write()
-            stamp(f"profiler ({pb.name}, L={a.profile_seq_len or a.seq_len})")
+            stamp(f"profiler ({pb.name}, L up to {a.profile_seq_len or a.seq_len}: the longest half that fits)")
             found["profiled"] = profile_steps(device, pair, pb, a.profile_seq_len or a.seq_len)
     print(write())
     return 0

@@ -127,8 +127,11 @@ std::vector<torch::Tensor> scatter_backward(const torch::Tensor& grad_out, const
 
 }  // namespace
 
+void register_graph_if_node(pybind11::module_& m);  // graph_if_node_bindings.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megatron_xmod routed-token permutation kernels (sm_80 / sm_90)";
+  m.doc() = "megatron_xmod routed-token permutation kernels (sm_80 / sm_90), and CUDA-graph IF nodes for torch < 2.12";
+  register_graph_if_node(m);
   m.def("gather", &gather, "out[k,b,h] = x[indices[k,b], b, :]", py::arg("x"), py::arg("indices"));
   m.def("scatter_add_gated", &scatter_add_gated, "[s,b,h] = x (or 0) + gate (or 1) * y at indices",
         py::arg("x"), py::arg("y"), py::arg("gate"), py::arg("indices"), py::arg("s"));

@@ -1,8 +1,10 @@
 """bench/gpu_check.sh: its step caps fit the 9-minute GPU window, and its --cpu mode runs every step
 end to end here and leaves each step's results in $OUT."""
+import importlib.util
 import json
 import os
 import subprocess
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -20,6 +22,37 @@ def test_step_caps_fit_nine_minutes():
     assert list(caps) == STEPS
     assert total == sum(int(v) for v in caps.values()) and total < 9 * 60
     assert int(caps["throughput"]) >= 150  # the step the issue's targets depend on gets the most
+
+
+def test_the_gpu_machine_view_holds_torch_and_the_carried_wheels_only(tmp_path):
+    """--cpu's steps run where only torch (with its requirements) and the carried wheels import, as on the
+    GPU machine: what else this environment has (matplotlib, lm-eval, ...) is out of sight."""
+    pins = subprocess.run(["bash", SCRIPT, "--pins"], capture_output=True, text=True, check=True).stdout.split()
+    assert "megatron-core==0.19.2" in pins and "transformers==5.24.0" in pins
+    wrapper = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_machine_env.py"), str(tmp_path), *pins],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    probe = ("import importlib.util as u, importlib.metadata as m, torch, megatron.core, transformers\n"
+             "print(*[u.find_spec(n) is not None for n in ('torch', 'triton', 'numpy', 'megatron', 'transformers', "
+             "'pytest', 'matplotlib', 'lm_eval', 'tensorboard', 'scipy')], m.version('megatron-core'))")
+    out = subprocess.run([wrapper, "-c", probe], capture_output=True, text=True, check=True,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}).stdout.split()
+    assert out == ["True"] * 6 + ["False"] * 4 + ["0.19.2"]
+    # the same four are importable in this environment: the view is what hides them
+    assert all(importlib.util.find_spec(n) for n in ("matplotlib", "lm_eval", "tensorboard", "scipy"))
+
+
+def test_every_flag_a_step_passes_is_one_its_script_defines():
+    """The GPU branch's command lines run nowhere but on the GPU machine: a flag renamed in a script would
+    fail its step there, in the GPU window. Every --flag a step passes a bench script is one of its options."""
+    import re
+
+    text = open(SCRIPT).read().replace("\\\n", " ")
+    calls = [m.groups() for m in re.finditer(r'step \w+ "\$PY" (bench/\w+\.py)([^\n]*)', text)]
+    assert len(calls) == 10  # five scripts, GPU and --cpu branches
+    for script, args in calls:
+        source = open(os.path.join(ROOT, script)).read()
+        for flag in re.findall(r"(--[\w-]+)", args):
+            assert f'"{flag}"' in source, f"{script} has no option {flag} (gpu_check.sh passes it)"
 
 
 def test_unknown_option_is_an_error():
@@ -58,7 +91,15 @@ def test_cpu_mode_runs_every_step(tmp_path):
     assert {r["model"] for r in host["step_model"]} == {"dense", "mod", "xmod-a4k8", "xmod-a3k16"}
     assert all(r["error"].startswith("skipped") for r in host["graphs"])  # no GPU here
     assert [r["model"] for r in host["profiled"]] == ["dense", "mod"]
-    generated = json.loads(next(tmp_path.glob("generate_cpu_*_quick.json")).read_text())["rows"]
+    # the steps ran with the GPU machine's packages: no matplotlib, so no PNG, and a way to draw it here
+    assert "no PNG: matplotlib is not installed" in (tmp_path / "generate.log").read_text()
+    results = next(tmp_path.glob("generate_cpu_*_quick.json"))
+    assert not results.with_suffix(".png").exists()
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "generate.py"), "--plot", str(results)], check=True,
+                   capture_output=True)
+    assert results.with_suffix(".png").stat().st_size > 0
+    meta, generated = (json.loads(results.read_text())[key] for key in ("meta", "rows"))
+    assert meta["if_nodes"] in ("torch", "extension", "none")
     assert {(r["model"], r["batch"]) for r in generated} == {(m, b) for m in ("dense", "mod") for b in (1, 2)}
     assert all(r["decode_tok_s"] > 0 and r["kv_cache_bytes"] > 0 for r in generated)
     # the fixed-shape decode ran (eagerly here: no GPU) and decoded the default path's tokens

@@ -66,13 +66,14 @@ def stepwise(model, cache, tokens, logits, steps, watch):
     return *greedy_steps(model, cache, tokens, logits, 0), watched
 
 
-def graph_on_emulated_cuda(monkeypatch, state, graph=None):
+def graph_on_emulated_cuda(monkeypatch, state, graph=None, graph_class=None):
     """``state`` decodes with CUDA graphs captured and replayed by the emulator of tests/graph_replay.py
-    (``graph``: the stand-in for torch.cuda.graph, by default the emulator's over the state's buffers);
-    EmulatedCUDAGraph.captures counts from 0."""
+    (``graph``: the stand-in for torch.cuda.graph, by default the emulator's over the state's buffers;
+    ``graph_class``: for torch.cuda.CUDAGraph, by default EmulatedCUDAGraph); EmulatedCUDAGraph.captures
+    counts from 0."""
     from graph_replay import EmulatedCUDAGraph, emulated_graph
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedCUDAGraph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", graph_class or EmulatedCUDAGraph)
     monkeypatch.setattr(torch.cuda, "graph", graph or emulated_graph(state.buffers))
     monkeypatch.setattr(EmulatedCUDAGraph, "captures", 0)
     state.graphed = True
@@ -515,3 +516,154 @@ def test_gpu_fixed_shape_decode_replays_one_cuda_graph_without_host_reads():
         patch.setattr(regions, "region_attention_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
         static_cached(model, start, 4)
     assert calls
+
+
+# ------------------------------------------------------ IF nodes where torch has none (csrc/graph_if_node.cu)
+class _GraphOfAnOlderTorch:
+    """torch.cuda.CUDAGraph before 2.12 as the emulator stands in for it: no IF-node methods, and ``pool()``
+    refused until the capture ended, as torch refuses it."""
+
+    def __init__(self):
+        self.recorder = self.recording = self.capture_error_mode = self.captured_pool = None
+
+    def pool(self):
+        if self.captured_pool is None:
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
+        return self.captured_pool
+
+    def replay(self) -> None:
+        self.recording.replay()
+
+
+class _EmulatedExtension:
+    """The extension's two calls (graph_if_node_bindings.cpp), opening the emulator's conditional nodes in the
+    graph being captured into the pool they are given; records the pools."""
+
+    def __init__(self):
+        self.capturing, self.open, self.pools = {}, [], []  # pool -> graph being captured into it
+
+    def graph(self, state):
+        """torch.cuda.graph of the emulator, noting which graph captures into which pool."""
+        import contextlib
+
+        from graph_replay import emulated_graph
+
+        inner = emulated_graph(state.buffers)
+
+        @contextlib.contextmanager
+        def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            self.capturing[tuple(pool)] = cuda_graph
+            with inner(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+                yield
+            del self.capturing[tuple(pool)]
+            cuda_graph.captured_pool = tuple(pool)
+
+        return graph
+
+    def begin_capture_to_if_node(self, pred, pool_first, pool_second):
+        assert pred.dtype == torch.bool and pred.numel() == 1
+        self.pools.append((pool_first, pool_second))
+        self.open.append(self.capturing[(pool_first, pool_second)])
+        self.open[-1].recorder.begin_conditional(pred)
+
+    def end_capture_to_conditional_node(self):
+        self.open.pop().recorder.end_conditional()
+
+
+def test_a_torch_without_if_nodes_captures_them_through_the_extension(monkeypatch):
+    """Where torch's CUDAGraph has no begin_capture_to_if_node (torch < 2.12, the GPU machine's 2.11), the
+    decode state opens each sparse layer's IF node through the package's extension, in the memory pool the
+    graph is being captured into (which such a CUDAGraph tells only after its capture): the same graph (one
+    conditional node a sparse layer), tokens, logits and entries as with torch's own IF nodes."""
+    from graph_replay import EmulatedCUDAGraph
+
+    from megatron_xmod.hf import static_decode
+
+    model = routed_model()
+    start = prompt(2, 10, seed=12)
+    want_tokens, want_logits, want_cache = cached(model, start, 12)
+    cache, tokens, logits = first_fixed_step(model, start, 12)
+    state = cache.static
+    extension = _EmulatedExtension()
+    monkeypatch.setattr(static_decode, "extension_if_nodes", lambda: extension)
+    graph_on_emulated_cuda(monkeypatch, state, extension.graph(state), _GraphOfAnOlderTorch)
+    tokens, logits = greedy_steps(model, cache, tokens, logits, 10)
+    sparse = sum(layer.sparse for layer in model.model.layers)
+    assert EmulatedCUDAGraph.captures == 2 and state.graph.recording.conditionals() == sparse
+    # the warm-up capture's nodes in its own graph's pool, then the kept graph's in its pool
+    assert len(extension.pools) == 2 * sparse and extension.pools[-sparse:] == [state.graph.pool()] * sparse
+    assert len(set(extension.pools)) == 2 and not extension.open
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
+    assert state.entries() == want_cache.entries()
+
+
+def test_who_opens_the_if_nodes(monkeypatch):
+    """torch's IF nodes where its CUDAGraph has them, else the extension's, else none (eager decode)."""
+    from megatron_xmod.hf import static_decode
+
+    monkeypatch.setattr(static_decode, "extension_if_nodes", lambda: object())
+    assert static_decode.if_node_provider() == ("torch" if hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+                                                else "extension")
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _GraphOfAnOlderTorch)
+    assert static_decode.if_node_provider() == "extension"
+    monkeypatch.setattr(static_decode, "extension_if_nodes", lambda: None)
+    assert static_decode.if_node_provider() == "none"
+
+
+def _extension():
+    from megatron_xmod.hf.static_decode import extension_if_nodes
+
+    extension = extension_if_nodes()
+    if extension is None:
+        pytest.skip("the CUDA extension is not built here (no CUDA toolkit at install time)")
+    return extension
+
+
+def test_the_extension_opens_if_nodes_and_refuses_what_it_cannot():
+    """The extension built here (CUDA 13 headers) opens IF nodes: its condition kernel is compiled for A100 and
+    H100 without a stack frame, and its calls name what is wrong before touching any CUDA state."""
+    pytest.importorskip("triton")
+    from triton_targets import binary_resource_usage
+
+    extension = _extension()
+    assert extension.if_nodes_built()
+    kernels = [k for k in binary_resource_usage(extension.__file__) if "set_if_condition" in k["kernel"]]
+    assert sorted(k["arch"] for k in kernels) == [80, 90] and all(k["stack"] == 0 for k in kernels), kernels
+    with pytest.raises(RuntimeError, match="pred must be a one-element bool CUDA tensor"):
+        extension.begin_capture_to_if_node(torch.zeros((), dtype=torch.bool), 0, 0)
+    with pytest.raises(RuntimeError, match="no node is open on this thread"):
+        extension.end_capture_to_conditional_node()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh runs it)")
+def test_gpu_extension_if_node_runs_its_body_only_when_the_flag_is_true():
+    """On a GPU, the extension's IF node (whatever torch's version): a replay skips the body while the device
+    flag is False and runs it when True, with a tensor allocated inside the body (served by the graph's pool)."""
+    extension = _extension()
+    flag = torch.zeros((), dtype=torch.bool, device="cuda")
+    counter = torch.zeros(4, device="cuda")
+    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, pool=pool):
+        for _ in range(2):  # two nodes, one after the other: the second reuses the first's stream
+            extension.begin_capture_to_if_node(flag, *pool)
+            try:
+                counter.add_(torch.arange(4, device="cuda", dtype=torch.float32) + 1)  # allocates inside the body
+            finally:
+                extension.end_capture_to_conditional_node()
+        counter.mul_(2)  # after the nodes: always runs
+    # the graph holds its pool as often as a graph of the same work without IF nodes (else reset would not free it)
+    plain, plain_pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    with torch.cuda.graph(plain, pool=plain_pool):
+        torch.zeros(4, device="cuda").add_(torch.arange(4, device="cuda", dtype=torch.float32) + 1)
+    device = torch.cuda.current_device()
+    assert extension.pool_use_count(device, *pool) == extension.pool_use_count(device, *plain_pool)
+    graph.replay()
+    flag.fill_(True)
+    graph.replay()
+    flag.fill_(False)
+    graph.replay()
+    torch.cuda.synchronize()
+    # 0 -> 0 -> (0 + 2 [1,2,3,4]) * 2 -> * 2
+    assert counter.tolist() == [8.0, 16.0, 24.0, 32.0]

@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -102,3 +103,18 @@ def test_smallest_run_writes_consistent_results(megatron_parallel, tmp_path):
     assert all(r["host_ops_ms"] > 0 and r["device_ms"] is None for r in data["profiled"])
     text = (tmp_path / "host_overhead_t.md").read_text()
     assert "| xmod-a3k16 | H100 | 298 |" in text and "eager host/device" in text
+
+
+def test_the_profiled_length_fits_the_gpus_memory(monkeypatch):
+    """gpu_check's host step profiles A3K16 at 298m and L = 32768 (~117 GiB by throughput.py's estimate): at that
+    length on an H200, at a quarter of it on an H100 (~78 GiB at 16384); Dense fits either at 32768."""
+    from types import SimpleNamespace
+
+    from megatron_xmod.presets import get_backbone
+
+    backbone, cuda = get_backbone("298m"), torch.device("cuda")
+    for gib, a3k16 in ((80, 8192), (141, 32768)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d, gib=gib: SimpleNamespace(total_memory=gib * 2**30))
+        assert host_overhead.fitting_seq_len(backbone, "xmod-a3k16", 32768, cuda) == a3k16
+        assert host_overhead.fitting_seq_len(backbone, "dense", 32768, cuda) == 32768
+    assert host_overhead.fitting_seq_len(backbone, "xmod-a3k16", 32768, torch.device("cpu")) == 32768

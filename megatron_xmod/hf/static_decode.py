@@ -81,12 +81,50 @@ class RegionLayout(NamedTuple):
     tokens: int
 
 
+def extension_if_nodes():
+    """megatron_xmod's CUDA extension where it opens IF nodes itself (csrc/graph_if_node.cu), for a torch whose
+    ``CUDAGraph`` cannot (before 2.12); None where it is not built (an exported folder without the package,
+    no CUDA toolkit at install, another torch's build)."""
+    try:
+        from megatron_xmod import _permute_cuda
+    except ImportError:
+        return None
+    return _permute_cuda if getattr(_permute_cuda, "if_nodes_built", lambda: False)() else None
+
+
+def if_node_provider() -> str:
+    """Who opens a decode graph's IF nodes here: "torch" (>= 2.12), "extension" (csrc/graph_if_node.cu) or
+    "none" (the fixed-shape decode then runs eagerly on a GPU too)."""
+    if hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+        return "torch"
+    return "extension" if extension_if_nodes() is not None else "none"
+
+
+def begin_if_node(graph, pool, pred: torch.Tensor) -> None:
+    """In ``graph``'s capture into the memory pool ``pool`` (the handle given to ``torch.cuda.graph``: a
+    ``CUDAGraph`` tells its pool only once captured), open an IF node on the 0-dim bool ``pred``: the work that
+    follows is captured into its body, which a replay runs only where ``pred`` is True, until
+    :func:`end_if_node`. torch's own (``CUDAGraph.begin_capture_to_if_node``, torch >= 2.12), else the
+    package's extension's."""
+    if hasattr(graph, "begin_capture_to_if_node"):
+        graph.begin_capture_to_if_node(pred)
+    else:
+        extension_if_nodes().begin_capture_to_if_node(pred, *pool)
+
+
+def end_if_node(graph) -> None:
+    if hasattr(graph, "end_capture_to_conditional_node"):
+        graph.end_capture_to_conditional_node()
+    else:
+        extension_if_nodes().end_capture_to_conditional_node()
+
+
 def conditional_nodes_available(device: Optional[torch.device] = None) -> bool:
     """CUDA graphs with IF nodes work on ``device`` (None: the current CUDA device): not ROCm, a torch that
-    captures them, and a driver and CUDA (>= 12.4) that run them: one tiny capture, replayed with the flag
-    false and true, probed once a device."""
+    captures them or the package's extension that does (:func:`begin_if_node`), and a driver and CUDA
+    (>= 12.4) that run them: one tiny capture, replayed with the flag false and true, probed once a device."""
     if (not torch.cuda.is_available() or torch.version.hip is not None
-            or not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")):
+            or if_node_provider() == "none"):
         return False
     if device is None or device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -100,14 +138,15 @@ def _conditional_node_works(device: torch.device) -> bool:
         with torch.cuda.device(device):
             flag = torch.zeros((), dtype=torch.bool, device=device)
             counter = torch.zeros(1, device=device)
-            graph = torch.cuda.CUDAGraph()
+            graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
             torch.cuda.synchronize(device)
-            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
-                graph.begin_capture_to_if_node(flag)
+            # relaxed, as the decode state's first capture: the extension's first node creates a stream
+            with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device), capture_error_mode="relaxed"):
+                begin_if_node(graph, pool, flag)
                 try:
                     counter.add_(1)
                 finally:
-                    graph.end_capture_to_conditional_node()
+                    end_if_node(graph)
             graph.replay()  # flag false: the body is skipped
             flag.fill_(True)
             graph.replay()
@@ -130,7 +169,7 @@ class StaticDecodeState:
         self.sparse = [layer.sparse for layer in cache.layers]
         self.batch, self.device, self._entry = entry[0], entry[5], entry
         self.graph = None
-        self._capturing = None  # the CUDA graph being captured, whose IF nodes branch() opens
+        self._capturing = None  # (CUDA graph, its memory pool) being captured, whose IF nodes branch() opens
         self._warm = False  # a capture of this state's step succeeded: lazy initialisations are done
         # per sparse layer, the host's copy of its layout: each region's start and size (entries + room)
         self.regions: dict[int, RegionLayout] = {}
@@ -146,7 +185,8 @@ class StaticDecodeState:
         if self.graphed and not capturable:
             raise ValueError("graphed: CUDA-graph capture of a decode step needs the model on one GPU whose torch, "
                              "driver and CUDA (>= 12.4) run conditional nodes "
-                             "(torch.cuda.CUDAGraph.begin_capture_to_if_node); pass graphed=False")
+                             "(torch >= 2.12, or megatron_xmod's CUDA extension built with CUDA >= 12.4); pass "
+                             "graphed=False")
         self.attention_backend = "auto"  # of the sparse layers' region attention: auto, torch or triton
         self.owner = cache  # the XModCache whose entries the buffers hold (refill hands them to another)
 
@@ -354,11 +394,12 @@ class StaticDecodeState:
         """Run ``body()`` when the 0-dim bool ``pred`` is True: an IF node under CUDA-graph capture (the
         device decides), else a Python ``if`` (one read)."""
         if self._capturing is not None:
-            self._capturing.begin_capture_to_if_node(pred)
+            graph, pool = self._capturing
+            begin_if_node(graph, pool, pred)
             try:
                 body()
             finally:
-                self._capturing.end_capture_to_conditional_node()
+                end_if_node(graph)
         elif bool(pred):
             body()
 
@@ -425,10 +466,10 @@ class StaticDecodeState:
             self._warm = True
 
     def _captured(self, body, stream, mode: str):
-        graph = torch.cuda.CUDAGraph()
-        self._capturing = graph
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        self._capturing = graph, pool
         try:
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
                 body()
         finally:
             self._capturing = None
