@@ -7,6 +7,7 @@ emulated capture and replay of tests/graph_replay.py, extended with conditional 
 step's ops are replayed without any Python module code, the emulator deciding each sparse layer's
 IF node from the replayed flag as the device would.
 """
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -611,6 +612,82 @@ def test_who_opens_the_if_nodes(monkeypatch):
     assert static_decode.if_node_provider() == "none"
 
 
+class _CountedPool:
+    """torch.cuda.MemPool as the caching allocator counts its uses: one for the MemPool itself."""
+
+    def __init__(self, pools: dict):
+        self.id, self.uses = (len(pools) + 1, 0), 1
+        pools[self.id] = self
+
+    def use_count(self) -> int:
+        return self.uses
+
+
+@pytest.mark.parametrize("if_nodes_take_uses", [True, False], ids=["torch-2.13", "a-torch-that-balances"])
+def test_torchs_if_nodes_leave_the_graph_pool_held_once(monkeypatch, if_nodes_take_uses):
+    """torch 2.12/2.13's IF nodes take a use of the graph's pool at each node's start and end that nothing
+    gives back (the allocator's beginAllocateToPool increfs): after each capture the decode state gives back
+    exactly the surplus, read from the pool's use count, so the pool is held by its MemPool and the capture
+    only (and freed with the graph); with a torch that balances its own, nothing is given back."""
+    from graph_replay import EmulatedCUDAGraph, emulated_graph
+
+    from megatron_xmod.hf import static_decode
+
+    pools: dict = {}
+
+    class GraphTakingPoolUses(EmulatedCUDAGraph):
+        def begin_capture_to_if_node(self, pred):
+            self.pool.uses += if_nodes_take_uses
+            super().begin_capture_to_if_node(pred)
+
+        def end_capture_to_conditional_node(self):
+            super().end_capture_to_conditional_node()
+            self.pool.uses += if_nodes_take_uses
+
+    model = routed_model()
+    start = prompt(2, 10, seed=12)
+    want_tokens, want_logits, _ = cached(model, start, 12)
+    cache, tokens, logits = first_fixed_step(model, start, 12)
+    state = cache.static
+    inner = emulated_graph(state.buffers)
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        cuda_graph.pool = pools[pool]
+        cuda_graph.pool.uses += 1  # capture_begin's beginAllocateToPool
+        with inner(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+            yield
+
+    def released(pool_id):
+        pools[pool_id].uses -= 1
+
+    monkeypatch.setattr(static_decode, "new_graph_pool", lambda: (lambda p: (p.id, p))(_CountedPool(pools)))
+    monkeypatch.setattr(static_decode, "release_pool_use", released)
+    graph_on_emulated_cuda(monkeypatch, state, graph, GraphTakingPoolUses)
+    tokens, logits = greedy_steps(model, cache, tokens, logits, 10)
+    sparse = sum(layer.sparse for layer in model.model.layers)
+    assert EmulatedCUDAGraph.captures == 2 and len(pools) == 2  # the warm-up capture and the kept one
+    assert [p.uses for p in pools.values()] == [2, 2]
+    assert state.pool_uses_given_back == (2 * 2 * sparse if if_nodes_take_uses else 0)
+    assert state.graph_pool is state.graph.pool and state.graph.recording.conditionals() == sparse
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
+
+
+def test_a_graph_pool_has_an_owner_to_count_only_where_torch_opens_if_nodes_on_a_gpu(monkeypatch):
+    from megatron_xmod.hf import static_decode
+
+    """A pool whose uses are counted where torch's IF nodes may take some (a MemPool); a plain handle elsewhere."""
+    handle, owner = static_decode.new_graph_pool()
+    assert len(handle) == 2 and static_decode.give_back_if_node_pool_uses(None) == 0
+    if torch.cuda.is_available() and static_decode.if_node_provider() == "torch":
+        assert isinstance(owner, torch.cuda.MemPool) and handle == owner.id
+    else:
+        assert owner is None
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _GraphOfAnOlderTorch)  # the extension's nodes balance their own
+    assert static_decode.new_graph_pool()[1] is None
+
+
 def _extension():
     from megatron_xmod.hf.static_decode import extension_if_nodes
 
@@ -667,3 +744,34 @@ def test_gpu_extension_if_node_runs_its_body_only_when_the_flag_is_true():
     torch.cuda.synchronize()
     # 0 -> 0 -> (0 + 2 [1,2,3,4]) * 2 -> * 2
     assert counter.tolist() == [8.0, 16.0, 24.0, 32.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh runs it)")
+def test_gpu_a_graph_of_torchs_if_nodes_holds_its_pool_once_after_the_give_back():
+    """On a GPU whose torch opens IF nodes: after a capture of three nodes, the surplus uses of the pool (what
+    torch's nodes took: give_back_if_node_pool_uses) go back, the MemPool and the graph hold it once each, the
+    bodies run on replay, and deleting the graph leaves the MemPool's use only (the pool then goes with it)."""
+    from megatron_xmod.hf import static_decode
+
+    if static_decode.if_node_provider() != "torch":
+        pytest.skip(f"torch {torch.__version__} has no IF nodes of its own")
+    handle, owner = static_decode.new_graph_pool()
+    flag = torch.ones((), dtype=torch.bool, device="cuda")
+    counter = torch.zeros(4, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, pool=handle):
+        for _ in range(3):
+            static_decode.begin_if_node(graph, handle, flag)
+            try:
+                counter.add_(torch.arange(4, device="cuda", dtype=torch.float32))  # allocates inside the body
+            finally:
+                static_decode.end_if_node(graph)
+    taken = owner.use_count() - 2
+    assert static_decode.give_back_if_node_pool_uses(owner) == max(taken, 0), taken
+    assert owner.use_count() == 2
+    graph.replay()
+    torch.cuda.synchronize()
+    assert counter.tolist() == [0.0, 3.0, 6.0, 9.0]
+    del graph
+    assert owner.use_count() == 1

@@ -119,6 +119,40 @@ def end_if_node(graph) -> None:
         extension_if_nodes().end_capture_to_conditional_node()
 
 
+def new_graph_pool():
+    """A memory pool for one CUDA graph's capture: ``(handle, owner)``, ``handle`` for ``torch.cuda.graph``'s
+    ``pool``. Where torch opens the IF nodes, ``owner`` is a ``torch.cuda.MemPool`` on the current device, kept
+    beside the graph, whose use count :func:`give_back_if_node_pool_uses` reads; else None, a plain handle."""
+    if if_node_provider() == "torch" and hasattr(torch.cuda, "MemPool") and torch.cuda.is_available():
+        owner = torch.cuda.MemPool()
+        return owner.id, owner
+    return torch.cuda.graph_pool_handle(), None
+
+
+def give_back_if_node_pool_uses(owner) -> int:
+    """After a capture into ``owner``'s pool (:func:`new_graph_pool`, on the current device), give back the uses
+    of the pool that torch's IF nodes took; returns how many.
+
+    torch's ``CUDAGraph.begin_capture_to_if_node`` and ``end_capture_to_conditional_node`` (2.12, 2.13) switch
+    the capture's allocations to a node's body and back by ending and beginning allocation to the pool again,
+    and the caching allocator's ``beginAllocateToPool`` takes a use of the pool at every beginning (torch's own
+    ``use_mem_pool`` gives its one back with ``releasePool``; these do not). A graph with N IF nodes would hold
+    its pool 2N + 1 times, ``CUDAGraph.reset`` gives back one, and the pool, with every block it cached, would
+    never be freed: every capture of a decode graph (a new layout, a new state, the probe) would keep its
+    memory for the life of the process. The MemPool holds one use and the capture one; the rest go back.
+    Counted, not assumed: a torch that balances its own gives nothing to take back here."""
+    if owner is None:
+        return 0
+    surplus = owner.use_count() - 2
+    for _ in range(surplus):
+        release_pool_use(owner.id)
+    return max(surplus, 0)
+
+
+def release_pool_use(pool) -> None:
+    torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
+
+
 def conditional_nodes_available(device: Optional[torch.device] = None) -> bool:
     """CUDA graphs with IF nodes work on ``device`` (None: the current CUDA device): not ROCm, a torch that
     captures them or the package's extension that does (:func:`begin_if_node`), and a driver and CUDA
@@ -138,7 +172,7 @@ def _conditional_node_works(device: torch.device) -> bool:
         with torch.cuda.device(device):
             flag = torch.zeros((), dtype=torch.bool, device=device)
             counter = torch.zeros(1, device=device)
-            graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+            graph, (pool, owner) = torch.cuda.CUDAGraph(), new_graph_pool()
             torch.cuda.synchronize(device)
             # relaxed, as the decode state's first capture: the extension's first node creates a stream
             with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device), capture_error_mode="relaxed"):
@@ -147,6 +181,7 @@ def _conditional_node_works(device: torch.device) -> bool:
                     counter.add_(1)
                 finally:
                     end_if_node(graph)
+            give_back_if_node_pool_uses(owner)
             graph.replay()  # flag false: the body is skipped
             flag.fill_(True)
             graph.replay()
@@ -169,6 +204,8 @@ class StaticDecodeState:
         self.sparse = [layer.sparse for layer in cache.layers]
         self.batch, self.device, self._entry = entry[0], entry[5], entry
         self.graph = None
+        self.graph_pool = None  # the MemPool of the last graph captured, where torch opens the IF nodes
+        self.pool_uses_given_back = 0  # uses of graph pools that torch's IF nodes took (give_back_if_node_pool_uses)
         self._capturing = None  # (CUDA graph, its memory pool) being captured, whose IF nodes branch() opens
         self._warm = False  # a capture of this state's step succeeded: lazy initialisations are done
         # per sparse layer, the host's copy of its layout: each region's start and size (entries + room)
@@ -466,13 +503,17 @@ class StaticDecodeState:
             self._warm = True
 
     def _captured(self, body, stream, mode: str):
-        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        """A new graph of ``body()``; its pool's owner (a MemPool where torch opens the IF nodes) is kept in
+        ``graph_pool`` for as long as the graph is."""
+        graph, (pool, owner) = torch.cuda.CUDAGraph(), new_graph_pool()
         self._capturing = graph, pool
         try:
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
                 body()
         finally:
             self._capturing = None
+        self.pool_uses_given_back += give_back_if_node_pool_uses(owner)
+        self.graph_pool = owner
         return graph
 
     def _on_device(self):
