@@ -133,7 +133,7 @@ def give_back_if_node_pool_uses(owner) -> int:
     """After a capture into ``owner``'s pool (:func:`new_graph_pool`, on the current device), give back the uses
     of the pool that torch's IF nodes took; returns how many.
 
-    torch's ``CUDAGraph.begin_capture_to_if_node`` and ``end_capture_to_conditional_node`` (2.12, 2.13) switch
+    torch's ``CUDAGraph.begin_capture_to_if_node`` and ``end_capture_to_conditional_node`` (from 2.12, as torch's source reads) switch
     the capture's allocations to a node's body and back by ending and beginning allocation to the pool again,
     and the caching allocator's ``beginAllocateToPool`` takes a use of the pool at every beginning (torch's own
     ``use_mem_pool`` gives its one back with ``releasePool``; these do not). A graph with N IF nodes would hold
