@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple, Optional
 
@@ -100,57 +101,79 @@ def if_node_provider() -> str:
     return "extension" if extension_if_nodes() is not None else "none"
 
 
-def begin_if_node(graph, pool, pred: torch.Tensor) -> None:
-    """In ``graph``'s capture into the memory pool ``pool`` (the handle given to ``torch.cuda.graph``: a
-    ``CUDAGraph`` tells its pool only once captured), open an IF node on the 0-dim bool ``pred``: the work that
-    follows is captured into its body, which a replay runs only where ``pred`` is True, until
-    :func:`end_if_node`. torch's own (``CUDAGraph.begin_capture_to_if_node``, torch >= 2.12), else the
-    package's extension's."""
+def begin_if_node(graph, pool: GraphPool, pred: torch.Tensor) -> None:
+    """In ``graph``'s capture into ``pool`` (given to ``torch.cuda.graph``: a ``CUDAGraph`` tells its pool only
+    once captured), open an IF node on the 0-dim bool ``pred``: the work that follows is captured into its body,
+    which a replay runs only where ``pred`` is True, until :func:`end_if_node`. torch's own
+    (``CUDAGraph.begin_capture_to_if_node``, torch >= 2.12), else the package's extension's."""
     if hasattr(graph, "begin_capture_to_if_node"):
         graph.begin_capture_to_if_node(pred)
+        pool.taken += 1
     else:
-        extension_if_nodes().begin_capture_to_if_node(pred, *pool)
+        extension_if_nodes().begin_capture_to_if_node(pred, *pool.handle)
 
 
-def end_if_node(graph) -> None:
+def end_if_node(graph, pool: GraphPool) -> None:
     if hasattr(graph, "end_capture_to_conditional_node"):
         graph.end_capture_to_conditional_node()
+        pool.taken += 1
     else:
         extension_if_nodes().end_capture_to_conditional_node()
 
 
-def new_graph_pool():
-    """A memory pool for one CUDA graph's capture: ``(handle, owner)``, ``handle`` for ``torch.cuda.graph``'s
-    ``pool``. Where torch opens the IF nodes, ``owner`` is a ``torch.cuda.MemPool`` on the current device, kept
-    beside the graph, whose use count :func:`give_back_if_node_pool_uses` reads; else None, a plain handle."""
-    if if_node_provider() == "torch" and hasattr(torch.cuda, "MemPool") and torch.cuda.is_available():
-        owner = torch.cuda.MemPool()
-        return owner.id, owner
-    return torch.cuda.graph_pool_handle(), None
+# torch's IF nodes switch a capture's allocations to a node's body and back by ending and beginning allocation
+# to the graph's pool again, and the caching allocator's beginAllocateToPool takes a use of the pool at every
+# beginning, which these nodes never give back (torch's own use_mem_pool does, with releasePool): a graph of N
+# nodes would hold its pool 2N + 1 times, CUDAGraph.reset gives back one, and the pool, with every block it
+# cached, would never be freed. Read in torch's source; the first and last minor releases given back for. A
+# later torch gets nothing given back until checked (a torch that gave them back itself, in reset say, would
+# otherwise have them released twice and fail the allocator's assertion).
+IF_NODES_TAKE_POOL_USES = ((2, 12), (2, 14))
 
 
-def give_back_if_node_pool_uses(owner) -> int:
-    """After a capture into ``owner``'s pool (:func:`new_graph_pool`, on the current device), give back the uses
-    of the pool that torch's IF nodes took; returns how many.
-
-    torch's ``CUDAGraph.begin_capture_to_if_node`` and ``end_capture_to_conditional_node`` (from 2.12, as torch's source reads) switch
-    the capture's allocations to a node's body and back by ending and beginning allocation to the pool again,
-    and the caching allocator's ``beginAllocateToPool`` takes a use of the pool at every beginning (torch's own
-    ``use_mem_pool`` gives its one back with ``releasePool``; these do not). A graph with N IF nodes would hold
-    its pool 2N + 1 times, ``CUDAGraph.reset`` gives back one, and the pool, with every block it cached, would
-    never be freed: every capture of a decode graph (a new layout, a new state, the probe) would keep its
-    memory for the life of the process. The MemPool holds one use and the capture one; the rest go back.
-    Counted, not assumed: a torch that balances its own gives nothing to take back here."""
-    if owner is None:
-        return 0
-    surplus = owner.use_count() - 2
-    for _ in range(surplus):
-        release_pool_use(owner.id)
-    return max(surplus, 0)
+def if_nodes_take_pool_uses() -> bool:
+    """Whether this torch opens the IF nodes on a GPU here and its nodes take pool uses that
+    :meth:`GraphPool.give_back` must return."""
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    first, last = IF_NODES_TAKE_POOL_USES
+    return (if_node_provider() == "torch" and first <= release <= last and hasattr(torch.cuda, "MemPool")
+            and torch.cuda.is_available())
 
 
-def release_pool_use(pool) -> None:
-    torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
+class GraphPool:
+    """The memory pool of one CUDA-graph capture on the current device: ``handle`` for ``torch.cuda.graph``'s
+    ``pool``. Where torch's IF nodes take uses of it (:func:`if_nodes_take_pool_uses`) it is a
+    ``torch.cuda.MemPool``, whose use count tells what they took, and ``taken`` counts the nodes' starts and
+    ends that took one; :meth:`give_back` then returns exactly those after the capture."""
+
+    def __init__(self):
+        self.owner = torch.cuda.MemPool() if if_nodes_take_pool_uses() else None
+        self.device_index = torch.cuda.current_device() if self.owner is not None else None
+        self.handle = self.owner.id if self.owner is not None else torch.cuda.graph_pool_handle()
+        self.taken = 0
+
+    def give_back(self) -> int:
+        """After the capture (failed or not), give back the uses torch's nodes took, where the pool's use count
+        shows exactly them above the MemPool's and the capture's (a torch that balances its own shows none);
+        then drop the MemPool, whose use the capture's keeps the pool alive without. Returns how many."""
+        if self.owner is None:
+            return 0
+        surplus, given = self.owner.use_count() - 2, 0
+        if surplus == self.taken:
+            for _ in range(surplus):
+                release_pool_use(self.device_index, self.handle)
+            given = surplus
+        elif surplus != 0:
+            warnings.warn(f"static decode: a CUDA graph's memory pool holds {surplus} uses beyond its capture's where "
+                          f"its {self.taken} IF-node starts and ends took {self.taken} (torch {torch.__version__}); "
+                          "none given back: the pool stays after the graph is gone", stacklevel=2)
+        self.owner = None
+        return given
+
+
+def release_pool_use(device_index: int, pool) -> None:
+    """One use of ``pool`` given back to the caching allocator (a function of its own for the tests' allocator)."""
+    torch._C._cuda_releasePool(device_index, pool)
 
 
 def conditional_nodes_available(device: Optional[torch.device] = None) -> bool:
@@ -172,16 +195,19 @@ def _conditional_node_works(device: torch.device) -> bool:
         with torch.cuda.device(device):
             flag = torch.zeros((), dtype=torch.bool, device=device)
             counter = torch.zeros(1, device=device)
-            graph, (pool, owner) = torch.cuda.CUDAGraph(), new_graph_pool()
+            graph, pool = torch.cuda.CUDAGraph(), GraphPool()
             torch.cuda.synchronize(device)
             # relaxed, as the decode state's first capture: the extension's first node creates a stream
-            with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device), capture_error_mode="relaxed"):
-                begin_if_node(graph, pool, flag)
-                try:
-                    counter.add_(1)
-                finally:
-                    end_if_node(graph)
-            give_back_if_node_pool_uses(owner)
+            try:
+                with torch.cuda.graph(graph, pool=pool.handle, stream=torch.cuda.Stream(device),
+                                      capture_error_mode="relaxed"):
+                    begin_if_node(graph, pool, flag)
+                    try:
+                        counter.add_(1)
+                    finally:
+                        end_if_node(graph, pool)
+            finally:
+                pool.give_back()
             graph.replay()  # flag false: the body is skipped
             flag.fill_(True)
             graph.replay()
@@ -204,8 +230,7 @@ class StaticDecodeState:
         self.sparse = [layer.sparse for layer in cache.layers]
         self.batch, self.device, self._entry = entry[0], entry[5], entry
         self.graph = None
-        self.graph_pool = None  # the MemPool of the last graph captured, where torch opens the IF nodes
-        self.pool_uses_given_back = 0  # uses of graph pools that torch's IF nodes took (give_back_if_node_pool_uses)
+        self.pool_uses_given_back = 0  # uses of graph pools that torch's IF nodes took (GraphPool.give_back)
         self._capturing = None  # (CUDA graph, its memory pool) being captured, whose IF nodes branch() opens
         self._warm = False  # a capture of this state's step succeeded: lazy initialisations are done
         # per sparse layer, the host's copy of its layout: each region's start and size (entries + room)
@@ -436,7 +461,7 @@ class StaticDecodeState:
             try:
                 body()
             finally:
-                end_if_node(graph)
+                end_if_node(graph, pool)
         elif bool(pred):
             body()
 
@@ -503,17 +528,14 @@ class StaticDecodeState:
             self._warm = True
 
     def _captured(self, body, stream, mode: str):
-        """A new graph of ``body()``; its pool's owner (a MemPool where torch opens the IF nodes) is kept in
-        ``graph_pool`` for as long as the graph is."""
-        graph, (pool, owner) = torch.cuda.CUDAGraph(), new_graph_pool()
+        graph, pool = torch.cuda.CUDAGraph(), GraphPool()
         self._capturing = graph, pool
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
+            with torch.cuda.graph(graph, pool=pool.handle, stream=stream, capture_error_mode=mode):
                 body()
         finally:
             self._capturing = None
-        self.pool_uses_given_back += give_back_if_node_pool_uses(owner)
-        self.graph_pool = owner
+            self.pool_uses_given_back += pool.give_back()
         return graph
 
     def _on_device(self):
