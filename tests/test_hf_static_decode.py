@@ -228,6 +228,29 @@ def test_fixed_shape_cache_refuses_what_it_cannot_do():
         model(start[:, -1:], cache=cache)
 
 
+def test_a_gpu_that_cannot_capture_the_step_decodes_eagerly_and_says_so(monkeypatch):
+    """By default a GPU without IF nodes (or a model over several devices) decodes the fixed-shape steps
+    eagerly, with a warning naming why (a host read a sparse layer a step); graphed=True is refused there;
+    asking for eager steps, or a CPU, warns of nothing; a GPU with IF nodes captures."""
+    from megatron_xmod.hf import static_decode
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(static_decode, "conditional_nodes_available", lambda device=None: False)
+    with pytest.warns(UserWarning, match=r"static decode on cuda:0: no CUDA graph \(conditional nodes do not run "
+                                         r"here\), so each fixed-shape step reads the device once a sparse layer"):
+        assert static_decode.decode_graphed(gpu, True, None) is False
+    with pytest.warns(UserWarning, match="the model spans several devices"):
+        assert static_decode.decode_graphed(gpu, False, None) is False
+    with pytest.raises(ValueError, match="graphed: CUDA-graph capture .* pass graphed=False"):
+        static_decode.decode_graphed(gpu, True, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert static_decode.decode_graphed(gpu, True, False) is False
+        assert static_decode.decode_graphed(torch.device("cpu"), True, None) is False
+        monkeypatch.setattr(static_decode, "conditional_nodes_available", lambda device=None: True)
+        assert static_decode.decode_graphed(gpu, True, None) is True
+
+
 def test_the_decode_state_captures_its_second_step_as_a_graph_and_replays_it(monkeypatch):
     """StaticDecodeState's own capture code (what a GPU runs), against the emulated CUDA graph: the first
     decode step runs eagerly, the second captures the step (a relaxed warm-up capture, then the graph

@@ -217,6 +217,27 @@ def _conditional_node_works(device: torch.device) -> bool:
         return False
 
 
+_CAPTURE_NEEDS = ("torch, driver and CUDA (>= 12.4) run conditional nodes (torch >= 2.12, or megatron_xmod's CUDA "
+                  "extension built with CUDA >= 12.4)")
+
+
+def decode_graphed(device: torch.device, one_device: bool, graphed: Optional[bool]) -> bool:
+    """Whether fixed-shape decode steps on ``device`` are captured as a CUDA graph: ``graphed``, or where it is
+    None, whether they can be (the model on one GPU that runs IF nodes). Refuses True where they cannot; warns
+    where a GPU decodes them eagerly by default, since each step then reads the device once a sparse layer
+    (more often than the default cache's run-ahead does)."""
+    capturable = device.type == "cuda" and one_device and conditional_nodes_available(device)
+    if graphed and not capturable:
+        raise ValueError(f"graphed: CUDA-graph capture of a decode step needs the model on one GPU whose "
+                         f"{_CAPTURE_NEEDS}; pass graphed=False")
+    if graphed is None and device.type == "cuda" and not capturable:
+        where = "the model spans several devices" if not one_device else "conditional nodes do not run here"
+        warnings.warn(f"static decode on {device}: no CUDA graph ({where}), so each fixed-shape step reads the device "
+                      "once a sparse layer; the default cache (no max_cache_len, no cache_implementation=\"static\") "
+                      f"reads it less often; a graph needs the model on one GPU whose {_CAPTURE_NEEDS}", stacklevel=3)
+    return capturable if graphed is None else graphed
+
+
 class StaticDecodeState:
     """The buffers of fixed-shape decode steps for one batch (module docstring), built from a prefilled
     :class:`~cache.XModCache`; ``max_cache_len``: the tokens a sequence may reach, prompt included."""
@@ -242,13 +263,7 @@ class StaticDecodeState:
         self.valid = torch.ones(self.batch, 1, dtype=torch.bool, device=self.device)
         self.hidden: Optional[torch.Tensor] = None  # [batch, 1, hidden], allocated by the first step
         self._fill(cache, max_cache_len, seen)
-        capturable = self.device.type == "cuda" and one_device and conditional_nodes_available(self.device)
-        self.graphed = capturable if graphed is None else graphed
-        if self.graphed and not capturable:
-            raise ValueError("graphed: CUDA-graph capture of a decode step needs the model on one GPU whose torch, "
-                             "driver and CUDA (>= 12.4) run conditional nodes "
-                             "(torch >= 2.12, or megatron_xmod's CUDA extension built with CUDA >= 12.4); pass "
-                             "graphed=False")
+        self.graphed = decode_graphed(self.device, one_device, graphed)
         self.attention_backend = "auto"  # of the sparse layers' region attention: auto, torch or triton
         self.owner = cache  # the XModCache whose entries the buffers hold (refill hands them to another)
 
