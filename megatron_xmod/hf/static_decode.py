@@ -163,7 +163,7 @@ class GraphPool:
             for _ in range(surplus):
                 release_pool_use(self.device_index, self.handle)
             given = surplus
-        elif surplus != 0:
+        elif surplus > 0:  # (below 0: the capture failed before it took its use)
             warnings.warn(f"static decode: a CUDA graph's memory pool holds {surplus} uses beyond its capture's where "
                           f"its {self.taken} IF-node starts and ends took {self.taken} (torch {torch.__version__}); "
                           "none given back: the pool stays after the graph is gone", stacklevel=2)
