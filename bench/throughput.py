@@ -130,6 +130,24 @@ def loadavg():
         return None
 
 
+def memory_bandwidth_gbs(device, mib: int = 256, repeats: int = 5) -> float | None:
+    """The host's memory bandwidth now (GB/s read + written, best of ``repeats`` copies of ``mib`` MiB; CPU
+    only, None on a GPU). A 298-layer A3K16 micro-batch streams its 235M parameters' weights, gradients and
+    fp32 main gradients (~6 GB) through memory where Dense's fit the caches far better, so a neighbour on the
+    same host taking bandwidth slows X-MoD most, which the load average (this machine's own CPUs) does not show.
+    Recorded before the run and after every round, beside the load average."""
+    if torch.device(device).type != "cpu":
+        return None
+    source = torch.ones(mib * 2**20 // 4)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return round(2 * source.numel() * 4 / best / 1e9, 1)
+
+
 def run_meta(device, extra: dict) -> dict:
     try:
         import triton
@@ -434,7 +452,9 @@ def render_markdown(meta: dict, rows: list[dict]) -> str:
                            "(compilation included) " + ", ".join(f"{r['model']} {sum(r['warmup_fwd_bwd_s']):.0f} s"
                                                                  for r in rows) if meta.get("compile_layers") else "eager"),
            f"- routing step backend: {meta['routing_backend']}; permutation backend: {meta['permute_backend']}",
-           f"- load average before/after (1/5/15 min): {meta['loadavg_start']} / {meta['loadavg']}", "",
+           f"- load average before/after (1/5/15 min): {meta['loadavg_start']} / {meta['loadavg']}",
+           *(["- memory bandwidth (GB/s read + written, best of 5 copies of 256 MiB): before the run, then after each round: "
+              + ", ".join(f"{v:g}" for v in meta["memory_gbs"])] if meta.get("memory_gbs") else []), "",
            "| model | layers | params | fwd+bwd s/step | optimizer s/step | train tok/s | vs Dense | FLOP-ideal | of ideal "
            "| eval tok/s | vs Dense | of ideal |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -527,10 +547,12 @@ def main(argv=None) -> int:
     bf16 = on_gpu
     steady_malloc = not on_gpu and keep_freed_memory()
     loadavg_start = loadavg()
+    memory_gbs = [memory_bandwidth_gbs(device)] if not on_gpu else []
     tag = a.tag or f"{'gpu' if on_gpu else 'cpu'}_{dt.datetime.now(dt.UTC).strftime('%Y%m%d')}"
     settings = dict(seq_len=seq_len, micro_batch=a.micro_batch, num_microbatches=num_microbatches, eval_microbatches=1,
                     dtype="bf16" if bf16 else "fp32", warmup=warmup, steps=steps, eval_steps=eval_steps,
-                    loadavg_start=loadavg_start, compile_layers=a.compile_layers, steady_malloc=steady_malloc)
+                    loadavg_start=loadavg_start, compile_layers=a.compile_layers, steady_malloc=steady_malloc,
+                    memory_gbs=memory_gbs)
     rows = None
     with single_rank_megatron():
         for backbone in candidates:
@@ -545,6 +567,8 @@ def main(argv=None) -> int:
 
                 def progress(results, backbone=backbone, schedule=schedule, rows=rows, ideal=ideal):
                     # after every round (or model): a run cut off by a time limit keeps what finished
+                    if memory_gbs:
+                        memory_gbs.append(memory_bandwidth_gbs(device))
                     rows[:] = [make_row(m, backbone, ideal, results[m]) for m in a.models if m in results]
                     write_results(a.out, tag, device, backbone, dict(settings, schedule=schedule), rows)
 
@@ -589,7 +613,8 @@ def write_results(out_dir, tag, device, backbone, settings, rows):
 
     summarize(rows)
     probe = torch.zeros(1, 1, 8, device=device, dtype=torch.bfloat16 if settings["dtype"] == "bf16" else torch.float32)
-    calls = {k: v for r in rows for k, v in r["routing_step_calls"].items() if r["model"] == "xmod-a4k8"}
+    routed = [r for r in rows if r["routing_step_calls"]]  # the first routed model's calls name the backend
+    calls = routed[0]["routing_step_calls"] if routed else {}
     meta = run_meta(device, dict(backbone=asdict(backbone), **settings, permute_backend=permute.selected_backend(probe),
                                  routing_backend=", ".join(f"{k} ({v} calls)" for k, v in calls.items()) or "-"))
     os.makedirs(out_dir, exist_ok=True)

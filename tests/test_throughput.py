@@ -76,8 +76,12 @@ def test_tiny_run_reports_consistent_numbers(megatron_parallel, tmp_path, monkey
     # Every sparse layer's routing step of every forward pass (training and top-k evaluation) went
     # through megatron_xmod.xmod.kernels: 2 training steps (warm-up + timed) of 3 micro-batches, 2 evaluation passes.
     assert sum(xmod["routing_step_calls"].values()) == sparse * (2 * 3 + 2)
+    assert meta["routing_backend"] == ", ".join(f"{k} ({v} calls)" for k, v in xmod["routing_step_calls"].items())
+    # the host's memory bandwidth before the run, then at each report: the timed round, the evaluation
+    assert len(meta["memory_gbs"]) == 3 and all(v > 0 for v in meta["memory_gbs"])
     text = (tmp_path / "throughput_t.md").read_text()
     assert "| xmod-a4k8 | 37 |" in text and "FLOP-ideal" in text and "optimizer s/step" in text
+    assert "memory bandwidth" in text and f"routing step backend: {meta['routing_backend']};" in text
 
 
 def test_sequential_fallback_and_microbatch_default(megatron_parallel, tmp_path, monkeypatch):
