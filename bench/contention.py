@@ -4,7 +4,7 @@ The CPU bench (throughput.py) measured A3K16 at 0.80x of Dense on one day and 0.
 the same CPU model, the same code and an idle load average. The load average counts this machine's own
 CPUs only; a process of another machine on the same host that streams memory does not show in it, yet it
 takes shared cache and memory bandwidth. A 298-layer A3K16 micro-batch streams its 235M parameters'
-weights, gradients and fp32 main gradients (~6 GB) where Dense's 22.6M mostly stay in the caches, so such
+weights, gradients and fp32 main gradients (several GB) where Dense's 22.6M mostly stay in the caches, so such
 a neighbour should slow X-MoD more than Dense.
 
 This script checks it: each model's training forward + backward of one micro-batch (throughput.ModelRun:

@@ -131,11 +131,11 @@ def loadavg():
 
 
 def memory_bandwidth_gbs(device, mib: int = 256, repeats: int = 5) -> float | None:
-    """The host's memory bandwidth now (GB/s read + written, best of ``repeats`` copies of ``mib`` MiB; CPU
-    only, None on a GPU). A 298-layer A3K16 micro-batch streams its 235M parameters' weights, gradients and
-    fp32 main gradients (~6 GB) through memory where Dense's fit the caches far better, so a neighbour on the
-    same host taking bandwidth slows X-MoD most, which the load average (this machine's own CPUs) does not show.
-    Recorded before the run and after every round, beside the load average."""
+    """The memory bandwidth a copy gets now (GB/s read + written, best of ``repeats`` copies of ``mib`` MiB with
+    torch's threads; CPU only, None on a GPU). A 298-layer A3K16 micro-batch streams its 235M parameters'
+    weights, gradients and fp32 main gradients (several GB) through memory where Dense's 22.6M fit the caches
+    far better, so a neighbour on the same host taking bandwidth slows X-MoD most, which the load average (this
+    machine's own CPUs) does not show (bench/contention.py). Recorded before the run and after every round."""
     if torch.device(device).type != "cpu":
         return None
     source = torch.ones(mib * 2**20 // 4)
