@@ -1,6 +1,6 @@
 """How much a neighbour's memory traffic moves the CPU throughput ratio of X-MoD to Dense.
 
-The CPU bench (throughput.py) measured A3K16 at 0.80x of Dense on one day and 0.96-0.98x on another, on
+The CPU bench (throughput.py) measured A3K16 at 0.80x of Dense on one day and 0.95-0.98x on another, on
 the same CPU model, the same code and an idle load average. The load average counts this machine's own
 CPUs only; a process of another machine on the same host that streams memory does not show in it, yet it
 takes shared cache and memory bandwidth. A 298-layer A3K16 micro-batch streams its 235M parameters'
