@@ -9,9 +9,12 @@ A4K8 / A3K16 at the same activated depth, with the KV-cache bytes and the host s
         --tag _long                                          # decode only, from synthetic caches of long contexts
 
 The models are built from the X-MoD paper's Table 4 shape at ``--hidden`` (activated depth 28, dense
-prefix 4: Dense 28 layers, MoD 49, X-MoD A4K8 161, A3K16 298) with random weights, and each sparse
+prefix 4: Dense 28 layers, MoD 49, X-MoD A4K8 161, A3K16 298) with random weights drawn as megatron-core
+draws them (``--init megatron``: output projections at std / sqrt(2 layers); ``--init hf``, transformers'
+one std, was the models of the results before session 28: see ``build_model``), and each sparse
 layer's router bias is then set, layer by layer on a calibration prompt, so that the threshold rule
-routes 1/K of the tokens (as a trained router does; a fresh one routes about half). Greedy decoding
+routes 1/K of the tokens (as a trained router does; a fresh one routes about half). Each row records
+how evenly: the share of a sequence's tokens each sparse layer routes in the timed prefill, x 1/K. Greedy decoding
 (argmax), the model's own ``XModCache``. Every timed configuration runs the models interleaved
 (model A, B, C, D, then again), medians of ``--repeats``.
 
@@ -37,6 +40,7 @@ import argparse
 import copy
 import datetime
 import json
+import math
 import statistics
 import sys
 import time
@@ -56,14 +60,28 @@ from megatron_xmod.hf.static_decode import SPARSE_ROOM_POLICIES, if_node_provide
 MODELS = ("dense", "mod", "xmod-a4k8", "xmod-a3k16")
 
 
+INITS = ("megatron", "hf")
+
+
 def build_model(name: str, hidden: int, vocab: int, max_positions: int, seed: int = 0, device="cpu",
-                family=None, heads=None):
+                family=None, heads=None, init: str = "megatron"):
     """An HF model of ``name`` (a megatron_xmod model name or a layout notation of ``family``) on the
-    Table 4 shape (activated depth 28, dense prefix 4) at width ``hidden``, random weights."""
+    Table 4 shape (activated depth 28, dense prefix 4) at width ``hidden``, random weights.
+
+    ``init``: ``"megatron"`` draws each layer's output projections (attention's ``o_proj``, the MLPs' and
+    experts' ``down_proj``) as megatron-core's ``output_layer_init_method`` does for the models our users
+    train: std ``initializer_range / sqrt(2 * layers)``; ``"hf"``: every matrix at ``initializer_range``
+    (transformers' convention, :meth:`XModPreTrainedModel._init_weights`). Under ``"hf"`` the 161-298
+    layers' unscaled updates swamp the embeddings with a component that each sequence shares (the
+    residual norm grows ~30x), so a router bias calibrated to route 1/K routes 0-50% of one sequence's
+    tokens in a layer and 1/K only on average over sequences (:func:`routed_shares`), where a trained
+    router, fitted to each sequence's top L/K (the router BCE), routes about 1/K of every sequence."""
     from megatron_xmod.hf.configuration_xmod import XModHFConfig
     from megatron_xmod.hf.modeling_xmod import XModForCausalLM
     from megatron_xmod.xmod.layout import layout_from_model_name
 
+    if init not in INITS:
+        raise ValueError(f"init: {init!r} is not a way of drawing the weights; use one of {', '.join(INITS)}")
     layout = layout_from_model_name(name, activated_depth=28, dense_prefix=4, family=family)
     heads = heads or max(1, hidden // 64)
     config = XModHFConfig(
@@ -72,7 +90,14 @@ def build_model(name: str, hidden: int, vocab: int, max_positions: int, seed: in
         routing_family=layout.family, layer_kinds=["sparse" if layer.is_sparse else "dense" for layer in layout.layers],
         layer_sparsity_k=[layer.sparsity_k for layer in layout.layers], layout=layout.notation)
     torch.manual_seed(seed)
-    return XModForCausalLM(config).to(device).eval()
+    model = XModForCausalLM(config)
+    if init == "megatron":
+        std = config.initializer_range / math.sqrt(2.0 * config.num_hidden_layers)
+        with torch.no_grad():
+            for module_name, module in model.named_modules():
+                if module_name.endswith((".o_proj", ".down_proj")):
+                    module.weight.normal_(0.0, std)
+    return model.to(device).eval()
 
 
 @torch.no_grad()
@@ -98,6 +123,34 @@ def calibrate_routers(model, tokens: torch.Tensor) -> list[float]:
             new = bias if carried is None else bias - carried
             fractions.append(float(new.mean()) / cfg.token_choice_bias_increment)
     return fractions
+
+
+@torch.no_grad()
+def routed_shares(model, prompt: torch.Tensor) -> list[float]:
+    """The share of each sequence's tokens that each sparse layer routes in a prefill of ``prompt``
+    ``[b, n]`` (no padding), in units of 1/K (1.0: a layer routes n/K of that sequence's tokens), one
+    value per (sequence, sparse layer)."""
+    shares = []
+
+    def record(layer, args, kwargs, output):
+        carried = args[4] if len(args) > 4 else kwargs.get("carried_bias")
+        bias = output[1]
+        selected = (bias if carried is None else bias - carried) > 0  # the layer's increment of Eq. 8
+        shares.extend((selected.float().mean(1) * layer.sparsity_k).tolist())
+
+    hooks = [layer.register_forward_hook(record, with_kwargs=True) for layer in model.model.layers if layer.sparse]
+    try:
+        prefill(model, prompt)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return shares
+
+
+def deciles(values: list[float]) -> tuple[float, float, float]:
+    """(10th, 50th, 90th percentile) of ``values``."""
+    cuts = statistics.quantiles(values, n=10, method="inclusive")
+    return cuts[0], statistics.median(values), cuts[-1]
 
 
 def _sync(device):
@@ -194,9 +247,9 @@ def decode_counts(model, token, cache, steps: int) -> tuple[float, float, float]
     return counter.count / steps, read.weights / steps / 2**20, read.keys_values / steps / 2**20
 
 
-def print_bytes(models, hidden, batches, contexts, device) -> None:
+def print_bytes(models, hidden, batches, contexts, device, init="megatron") -> None:
     """The MiB a decode step reads, weights and keys / values apart, from :func:`synthetic_cache` (one step)."""
-    built = build_models(models, hidden, max(contexts) + 8, 512, device)
+    built = build_models(models, hidden, max(contexts) + 8, 512, device, init=init)
     print(f"# MiB a decode step reads ({machine_name(device)}, commit {git_commit()}, hidden {hidden}, fp32, "
           f"synthetic caches)\n| batch | context | model | weights | keys and values | total | Dense's / this |")
     for batch in batches:
@@ -226,11 +279,11 @@ def decode_counts_after_prefill(model, prompt, steps: int, max_cache_len=None,
     return decode_counts(model, token, cache, steps)
 
 
-def build_models(models, hidden, max_positions, calibration_length, device, log=print, vocab=50304):
-    """{name: (model, routed fraction per sparse layer after calibration)}."""
+def build_models(models, hidden, max_positions, calibration_length, device, log=print, vocab=50304, init="megatron"):
+    """{name: (model, routed fraction per sparse layer after calibration)}; ``init``: :func:`build_model`'s."""
     built = {}
     for name in models:
-        model = build_model(name, hidden, vocab, max_positions, device=device)
+        model = build_model(name, hidden, vocab, max_positions, device=device, init=init)
         calibration = torch.randint(0, vocab, (2, calibration_length), generator=torch.Generator().manual_seed(1)).to(device)
         fractions = calibrate_routers(model, calibration)
         built[name] = (model, fractions)
@@ -312,6 +365,8 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                            routed_fraction=statistics.mean(fractions) if fractions else 1.0)
                 syncs, weights, keys_values = decode_counts_after_prefill(model, prompt, min(8, new_tokens))
                 row.update(syncs_per_token=syncs, decode_mib_read_per_step=weights + keys_values)
+                if fractions:
+                    row["routed_share_deciles"] = deciles(routed_shares(model, prompt))
                 if name != "dense" and per_layer_decode:
                     _, before_cache_generated = outputs[name, "before"]
                     row["same_tokens_as_before"] = bool(torch.equal(before_cache_generated, generated))
@@ -422,14 +477,17 @@ def render_markdown(meta, rows) -> str:
            f"- machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; {meta['dtype']}; "
            f"the fixed-shape decode's CUDA-graph IF nodes from: {meta.get('if_nodes', '-')}",
            f"- hidden {meta['hidden']}, greedy, {meta['new_tokens']} new tokens, median of {meta['repeats']} interleaved "
-           f"runs; routers calibrated to route 1/K (see the script's docstring)",
+           f"runs; routers calibrated to route 1/K (see the script's docstring); weights drawn as "
+           + ("megatron-core does (output projections at std / sqrt(2 layers))" if meta.get("init", "hf") == "megatron"
+              else "transformers does (every matrix at the same std)"),
            f"- load average before/after (1/5/15 min): {meta['loadavg_start']} / {meta['loadavg']}",
            "- malloc: " + ("freed memory kept by the process (mallopt; throughput.keep_freed_memory)"
                            if meta.get("steady_malloc") else "the C library's defaults"), "",
            "| batch | prompt | model | layers | prefill tok/s | vs Dense | decode tok/s | vs Dense | decode before | "
            "before vs Dense | syncs/token (before) | KV cache KiB (allocated) | MiB read a decode step | "
-           "Dense's / this (decode's bytes bound vs Dense) |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "Dense's / this (decode's bytes bound vs Dense) | prefill: share of a sequence a sparse layer routes, "
+           "x 1/K, p10 / p50 / p90 |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         before = (f"{r['decode_tok_s_before']:.1f} | {r['decode_before_vs_dense']:.2f}" if "decode_tok_s_before" in r
                   else "- | -")
@@ -442,7 +500,9 @@ def render_markdown(meta, rows) -> str:
                    f"{before} | {syncs} | {r['kv_cache_bytes'] / 1024:.0f} "
                    f"({r.get('kv_cache_allocated_bytes', r['kv_cache_bytes']) / 1024:.0f}) | "
                    + (f"{r['decode_mib_read_per_step']:.0f} | {r.get('bytes_bound_vs_dense', 1):.2f} |"
-                      if "decode_mib_read_per_step" in r else "- | - |"))
+                      if "decode_mib_read_per_step" in r else "- | - |")
+                   + (" {:.2f} / {:.2f} / {:.2f} |".format(*r["routed_share_deciles"]) if "routed_share_deciles" in r
+                      else " - |"))
     fixed = [r for r in rows if "fixed_decode_tok_s" in r or "fixed_error" in r]
     if fixed:
         out += ["", "Fixed-shape decode (`XModCache(max_cache_len=prompt + new tokens + 1)`, static_decode.py; "
@@ -525,6 +585,9 @@ def main(argv=None):
                         "--long-contexts tokens at --batches, and exit (no timing)")
     p.add_argument("--plot", metavar="RESULTS_JSON",
                    help="draw the PNG of a results file (one written where matplotlib was missing) next to it, and exit")
+    p.add_argument("--init", choices=INITS, default="megatron",
+                   help="how the random weights are drawn (build_model): megatron-core's scaled output projections, "
+                        "or transformers' one std for every matrix (the models of results before 2026-12-06 s28)")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = p.parse_args(argv)
@@ -538,7 +601,7 @@ def main(argv=None):
         args.hidden, args.prompts, args.batches, args.new_tokens, args.repeats = 64, [32], [1, 2], 8, 1
     device = torch.device(args.device)
     if args.bytes_only:
-        print_bytes(args.models, args.hidden, args.batches, args.long_contexts or [2048], device)
+        print_bytes(args.models, args.hidden, args.batches, args.long_contexts or [2048], device, args.init)
         return
     steady_malloc = device.type == "cpu" and keep_freed_memory()
     loadavg_start = loadavg()
@@ -552,7 +615,7 @@ def main(argv=None):
         meta = dict(date=datetime.date.today().isoformat(), machine=machine_name(device), commit=git_commit(),
                     torch=torch.__version__, dtype="fp32", hidden=args.hidden, new_tokens=args.new_tokens,
                     repeats=args.repeats, loadavg_start=loadavg_start, loadavg=loadavg(), steady_malloc=steady_malloc,
-                    prefill_attention=args.prefill_attention, if_nodes=if_node_provider())
+                    prefill_attention=args.prefill_attention, if_nodes=if_node_provider(), init=args.init)
         (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         (out / f"{stem}.md").write_text(render_markdown(meta, rows))
         if not plot(rows, out / f"{stem}.png") and not unplotted:
@@ -562,7 +625,8 @@ def main(argv=None):
         return meta
 
     longest = max(args.prompts + args.long_contexts) + args.new_tokens + 8
-    built = build_models(args.models, args.hidden, longest, min(512, max(args.prompts, default=512)), device)
+    built = build_models(args.models, args.hidden, longest, min(512, max(args.prompts, default=512)), device,
+                         init=args.init)
     for model, _ in built.values():
         model.model.prefill_attention = args.prefill_attention
     rows = measure(built, args.prompts, args.batches, args.new_tokens, args.repeats, device, after_each=write,

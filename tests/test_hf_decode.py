@@ -664,3 +664,50 @@ def test_bytes_a_decode_step_reads_are_the_weights_and_the_keys_and_values():
     with torch.inference_mode(), BytesRead() as whole:  # linear and attention reach the mode undecomposed
         dense(token, cache=synthetic_cache(dense, batch, context))
     assert (whole.weights, whole.keys_values) == (read.weights, read.keys_values)
+
+
+def test_bench_models_draw_output_projections_as_megatron_core_does():
+    """bench/generate.py's ``init="megatron"``: each layer's output projections at the std of megatron-core's
+    own ``output_layer_init_method`` for a model of that many layers (what the models our users train start
+    from), every other matrix at ``initializer_range``; ``init="hf"`` leaves them all at ``initializer_range``."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model = build_model("xmod-a4k8", hidden=64, vocab=256, max_positions=64)
+    cfg = model.config
+    megatron = TransformerConfig(num_layers=cfg.num_hidden_layers, hidden_size=64, num_attention_heads=1,
+                                 init_method_std=cfg.initializer_range)
+    reference = megatron.output_layer_init_method(torch.empty(4096, 1024)).std().item()
+
+    def std_of(suffixes):
+        return torch.cat([p.flatten() for n, p in model.named_parameters() if n.endswith(suffixes)]).std().item()
+
+    assert abs(std_of(("o_proj.weight", "down_proj.weight")) / reference - 1) < 0.02
+    assert abs(std_of(("q_proj.weight", "k_proj.weight", "up_proj.weight", "gate_proj.weight"))
+               / cfg.initializer_range - 1) < 0.02
+    assert reference < cfg.initializer_range / 10  # 161 layers: the scaling is what sets them apart
+    plain = build_model("xmod-a4k8", hidden=64, vocab=256, max_positions=64, init="hf")
+    assert abs(plain.model.layers[5].mlp.down_proj.weight.std().item() / cfg.initializer_range - 1) < 0.1
+    with pytest.raises(ValueError, match="init: 'torch' .*megatron, hf"):
+        build_model("dense", hidden=64, vocab=256, max_positions=64, init="torch")
+
+
+def test_calibrated_bench_routers_route_about_1_over_k_of_every_sequence():
+    """With megatron-core's init the calibrated threshold routes 0.6-1.5 x 1/K of each sequence's tokens in
+    a layer; with transformers' one std for all 161 layers their updates carry a component each sequence
+    shares, and the same calibration routes next to nothing of some sequences and over twice 1/K of others
+    (the models of the generation results before session 28, bench/README.md)."""
+    from generate import deciles, routed_shares
+
+    text = prompt(batch=4, length=256, seed=2)
+    spreads = {}
+    for init in ("megatron", "hf"):
+        model = build_model("xmod-a4k8", hidden=64, vocab=VOCAB, max_positions=300, init=init)
+        calibrate_routers(model, prompt(batch=2, length=256, seed=1))
+        shares = routed_shares(model, text)
+        assert len(shares) == 4 * sum(layer.sparse for layer in model.model.layers)
+        assert abs(sum(shares) / len(shares) - 1) < 0.25  # 1/K on average either way
+        spreads[init] = deciles(shares)
+    low, _, high = spreads["megatron"]
+    assert 0.6 <= low and high <= 1.5, spreads
+    low, _, high = spreads["hf"]
+    assert low < 0.3 and high > 2, spreads
