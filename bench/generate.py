@@ -11,12 +11,12 @@ A4K8 / A3K16 at the same activated depth, with the KV-cache bytes and the host s
 The models are built from the X-MoD paper's Table 4 shape at ``--hidden`` (activated depth 28, dense
 prefix 4: Dense 28 layers, MoD 49, X-MoD A4K8 161, A3K16 298) with random weights drawn as megatron-core
 draws them (``--init megatron``: output projections at std / sqrt(2 layers); ``--init hf``, transformers'
-one std, was the models of the results before session 28: see ``build_model``), and each sparse
+one std, built the models of the results before session 28: see ``build_model``), and each sparse
 layer's router bias is then set, layer by layer on a calibration prompt, so that the threshold rule
 routes 1/K of the tokens (as a trained router does; a fresh one routes about half). Each row records
-how evenly: the share of a sequence's tokens each sparse layer routes in the timed prefill, x 1/K. Greedy decoding
-(argmax), the model's own ``XModCache``. Every timed configuration runs the models interleaved
-(model A, B, C, D, then again), medians of ``--repeats``.
+how evenly: the share of a sequence's tokens each sparse layer routes in a prefill of the timed prompt,
+x 1/K. Greedy decoding (argmax), the model's own ``XModCache``. Every timed configuration runs the
+models interleaved (model A, B, C, D, then again), medians of ``--repeats``.
 
 Prefill computes the logits of the last position only (``logits_to_keep=1``, what ``generate``
 asks for). With ``--per-layer-decode`` each repeat also decodes from a copy of the same prefill
@@ -73,8 +73,8 @@ def build_model(name: str, hidden: int, vocab: int, max_positions: int, seed: in
     train: std ``initializer_range / sqrt(2 * layers)``; ``"hf"``: every matrix at ``initializer_range``
     (transformers' convention, :meth:`XModPreTrainedModel._init_weights`). Under ``"hf"`` the 161-298
     layers' unscaled updates swamp the embeddings with a component that each sequence shares (the
-    residual norm grows ~30x), so a router bias calibrated to route 1/K routes 0-50% of one sequence's
-    tokens in a layer and 1/K only on average over sequences (:func:`routed_shares`), where a trained
+    residual norm grows ~30x), so a router bias calibrated to route 1/K routes from none to over 40% of
+    one sequence's tokens in a layer and 1/K only on average over sequences (:func:`routed_shares`), where a trained
     router, fitted to each sequence's top L/K (the router BCE), routes about 1/K of every sequence."""
     from megatron_xmod.hf.configuration_xmod import XModHFConfig
     from megatron_xmod.hf.modeling_xmod import XModForCausalLM
@@ -587,7 +587,7 @@ def main(argv=None):
                    help="draw the PNG of a results file (one written where matplotlib was missing) next to it, and exit")
     p.add_argument("--init", choices=INITS, default="megatron",
                    help="how the random weights are drawn (build_model): megatron-core's scaled output projections, "
-                        "or transformers' one std for every matrix (the models of results before 2026-12-06 s28)")
+                        "or transformers' one std for every matrix (the models of the results before session 28, bench/README.md)")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = p.parse_args(argv)
