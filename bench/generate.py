@@ -37,6 +37,7 @@ tokens/s against prompt length) under ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -120,31 +121,33 @@ def calibrate_routers(model, tokens: torch.Tensor) -> list[float]:
             layer.router.bias -= torch.quantile(scores.flatten(), 1 - 1 / layer.sparsity_k).to(layer.router.bias.dtype)
         x, bias = layer(x, positions, valid, None, carried, "threshold")
         if layer.sparse:
-            new = bias if carried is None else bias - carried
-            fractions.append(float(new.mean()) / cfg.token_choice_bias_increment)
+            fractions.append(float(selected_here(bias, carried).float().mean()))
     return fractions
 
 
-@torch.no_grad()
-def routed_shares(model, prompt: torch.Tensor) -> list[float]:
-    """The share of each sequence's tokens that each sparse layer routes in a prefill of ``prompt``
-    ``[b, n]`` (no padding), in units of 1/K (1.0: a layer routes n/K of that sequence's tokens), one
-    value per (sequence, sparse layer)."""
+def selected_here(bias: torch.Tensor, carried) -> torch.Tensor:
+    """The tokens a sparse layer routed, from the token-choice bias it returned and the one it was handed
+    (``carried``, None at the start of a chain): the layer adds its increment (> 0, Eq. 8) to exactly those."""
+    return (bias if carried is None else bias - carried) > 0
+
+
+@contextlib.contextmanager
+def routed_shares(model):
+    """Yields a list that collects, for the passes run inside the block (run prefills only: no padding),
+    the share of each sequence's tokens that each sparse layer routes, in units of 1/K (1.0: a layer
+    routes n/K of that sequence's n tokens), one value per (sequence, sparse layer, pass)."""
     shares = []
 
     def record(layer, args, kwargs, output):
         carried = args[4] if len(args) > 4 else kwargs.get("carried_bias")
-        bias = output[1]
-        selected = (bias if carried is None else bias - carried) > 0  # the layer's increment of Eq. 8
-        shares.extend((selected.float().mean(1) * layer.sparsity_k).tolist())
+        shares.extend((selected_here(output[1], carried).float().mean(1) * layer.sparsity_k).tolist())
 
     hooks = [layer.register_forward_hook(record, with_kwargs=True) for layer in model.model.layers if layer.sparse]
     try:
-        prefill(model, prompt)
+        yield shares
     finally:
         for hook in hooks:
             hook.remove()
-    return shares
 
 
 def deciles(values: list[float]) -> tuple[float, float, float]:
@@ -307,10 +310,12 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
             capacity = length + new_tokens + 1
             peaks = {}  # GPU: MiB the fixed-shape decode allocated beyond its prefill, at its peak
             outputs = {}
+            shares = {}  # name: the routed shares of the warm-up prefill (routed_shares)
             for name in models:  # warm-up, untimed: first calls allocate and pick kernels
                 # at the timed size: a first 2048-token prefill of Dense ran at a third of the next ones' speed
                 # (the allocator's first requests of its activations' sizes), after a 64-token warm-up too
-                token, cache = prefill(built[name][0], prompt)
+                with routed_shares(built[name][0]) as shares[name]:
+                    token, cache = prefill(built[name][0], prompt)
                 decode(built[name][0], token, cache, 2)
                 del cache
             for _ in range(repeats):
@@ -366,7 +371,7 @@ def measure(built, prompt_lengths, batches, new_tokens, repeats, device, log=pri
                 syncs, weights, keys_values = decode_counts_after_prefill(model, prompt, min(8, new_tokens))
                 row.update(syncs_per_token=syncs, decode_mib_read_per_step=weights + keys_values)
                 if fractions:
-                    row["routed_share_deciles"] = deciles(routed_shares(model, prompt))
+                    row["routed_share_deciles"] = deciles(shares[name])
                 if name != "dense" and per_layer_decode:
                     _, before_cache_generated = outputs[name, "before"]
                     row["same_tokens_as_before"] = bool(torch.equal(before_cache_generated, generated))
